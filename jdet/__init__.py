@@ -1,0 +1,21 @@
+"""jdet: a deterministic LLM inference engine in JAX and Pallas.
+
+The same request gives the same bits, whatever the batch, the chunking, the cache or the TP size.
+"""
+
+from jdet.api import LLM
+from jdet.config import ModelConfig
+from jdet.loader import Model, load, save
+from jdet.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jdet.version import __version__
+
+
+def serve(model: Model | str | None = None, **kwargs: object) -> None:
+    """Blocking OpenAI-compatible server (see serving/server.py for the settings)."""
+    from serving.server import serve as _serve
+
+    _serve(model, **kwargs)
+
+
+__all__ = ["LLM", "Model", "ModelConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "load", "save", "serve", "__version__"]

@@ -1,0 +1,5 @@
+import sys
+
+from jdet.cli import main
+
+sys.exit(main())

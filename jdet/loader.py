@@ -1,0 +1,275 @@
+"""Loading a model: Hugging Face safetensors (single or sharded) or a native orbax checkpoint.
+
+Why a hand-rolled safetensors reader: the format is a JSON header plus raw little-endian bytes, so
+`np.memmap` gives zero-copy views of every tensor (bf16 through ml_dtypes), the per-layer tensors
+are stacked on the host into the scan layout, and each stacked weight goes to the device once.
+Every inconsistency (missing, unexpected, wrong shape, truncated file) names the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jdet.config import ModelConfig
+from jdet.params import full_shape, set_path, weight_specs
+
+_ST_DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+}
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+NATIVE_MARKER = "jdet_checkpoint.json"
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: static config, params pytree (on device), tokenizer (or None)."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any = None
+    path: str | None = None
+    hf_config: dict | None = None
+
+    @property
+    def dtype(self) -> Any:
+        return jax.tree_util.tree_leaves(self.params)[0].dtype
+
+    @functools.cached_property
+    def weights_hash(self) -> str:
+        """Content hash of every weight (computed once, on demand: the fingerprint needs it)."""
+        h = hashlib.sha256()
+        for path, leaf in sorted(
+            jax.tree_util.tree_flatten_with_path(self.params)[0], key=lambda kv: str(kv[0])
+        ):
+            h.update(str(path).encode())
+            h.update(np.asarray(jax.device_get(leaf)).tobytes())
+        return h.hexdigest()[:16]
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+class _SafetensorsFile:
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: not a safetensors file (shorter than its header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"{path}: truncated safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header = header
+        self.data_start = 8 + n
+        self.size = size
+        self.mm = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dt = np.dtype(_ST_DTYPES[info["dtype"]])
+        b, e = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if self.data_start + e > self.size:
+            raise ValueError(
+                f"{self.path}: tensor {name} ends at byte {self.data_start + e} but the file has "
+                f"{self.size} bytes (truncated file?)"
+            )
+        if e - b != dt.itemsize * int(np.prod(shape)):
+            raise ValueError(f"{self.path}: tensor {name} byte size does not match shape {shape}")
+        return self.mm[self.data_start + b : self.data_start + e].view(dt).reshape(shape)
+
+
+def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
+    """Map tensor name -> the file holding it (single file or index-sharded)."""
+    index = d / "model.safetensors.index.json"
+    files: dict[str, _SafetensorsFile] = {}
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        opened: dict[str, _SafetensorsFile] = {}
+        for name, fname in weight_map.items():
+            if fname not in opened:
+                fp = d / fname
+                if not fp.exists():
+                    raise FileNotFoundError(f"{index} names shard {fname}, which is missing")
+                opened[fname] = _SafetensorsFile(fp)
+            if name not in opened[fname].header:
+                raise ValueError(f"{index} places tensor {name} in {fname}, which lacks it")
+            files[name] = opened[fname]
+        return files
+    paths = sorted(d.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no *.safetensors files in {d}")
+    for p in paths:
+        f = _SafetensorsFile(p)
+        for name in f.header:
+            files[name] = f
+    return files
+
+
+def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None = None) -> dict:
+    files = _open_safetensors(d)
+    specs = weight_specs(cfg)
+    expected = set()
+    for s in specs:
+        names = [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [
+            s.hf_name
+        ]
+        expected.update(names)
+    # Some checkpoints of tied models still carry lm_head.weight; it must equal the embedding.
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(
+        n for n in files if n not in expected and n not in ignorable and "rotary_emb" not in n
+    )
+    if unexpected:
+        raise ValueError(
+            f"{d}: unexpected tensors for {cfg.model_type} (first: {unexpected[:3]}); the "
+            "checkpoint does not match its config.json"
+        )
+    total = sum(cfg.num_layers if s.per_layer else 1 for s in specs)
+    if progress is None:
+        progress = sum(f.size for f in {id(f): f for f in files.values()}.values()) > 1 << 30
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"loading {d.name}", unit="tensor")
+    params: dict = {}
+    np_dtype = np.dtype(dtype)
+    for s in specs:
+        names = [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [
+            s.hf_name
+        ]
+        want = tuple(reversed(s.shape)) if s.transpose else s.shape
+        out = np.empty(full_shape(cfg, s), np_dtype)
+        for i, name in enumerate(names):
+            if name not in files:
+                raise ValueError(f"{d}: tensor {name} is missing from the checkpoint")
+            t = files[name].get(name)
+            if t.shape != want:
+                raise ValueError(
+                    f"{d}: tensor {name} has shape {t.shape}, expected {want} from config.json"
+                )
+            t = t.T if s.transpose else t
+            if s.per_layer:
+                out[i] = t.astype(np_dtype)
+            else:
+                out[...] = t.astype(np_dtype)
+            if bar is not None:
+                bar.update(1)
+        set_path(params, s.path, jnp.asarray(out))
+    if bar is not None:
+        bar.close()
+    return params
+
+
+def load_tokenizer(d: Path) -> Any:
+    if not (d / "tokenizer.json").exists() and not (d / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def load(path: str | Path | None = None, dtype: Any = "bfloat16",
+         progress: bool | None = None) -> Model:
+    """Load a model directory: Hugging Face format or a jdet (orbax) checkpoint.
+
+    With no path, the small model embedded in the package is returned.
+    """
+    d = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    if not d.exists():
+        raise FileNotFoundError(f"model directory {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a directory; pass the model's directory")
+    dtype = resolve_dtype(dtype)
+    if (d / NATIVE_MARKER).exists():
+        return _load_native(d, dtype)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(
+            f"{d} has no config.json: expected a Hugging Face model directory (config.json + "
+            "*.safetensors) or a checkpoint written by jdet.save()"
+        )
+    raw = json.loads((d / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    params = load_hf_params(d, cfg, dtype, progress)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
+
+
+def save(model: Model, path: str | Path) -> Path:
+    """Save natively: orbax params + config.json + tokenizer files; `load(path)` reads it back."""
+    import orbax.checkpoint as ocp
+
+    d = Path(path).absolute()
+    d.mkdir(parents=True, exist_ok=True)
+    raw = model.hf_config or _hf_config_from(model.cfg)
+    (d / "config.json").write_text(json.dumps(raw, indent=2))
+    ckpt = ocp.StandardCheckpointer()
+    target = d / "params"
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    ckpt.save(target, model.params)
+    ckpt.wait_until_finished()
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(d))
+    meta = {"format": "jdet-orbax", "version": 1, "dtype": str(model.dtype)}
+    (d / NATIVE_MARKER).write_text(json.dumps(meta))
+    return d
+
+
+def _load_native(d: Path, dtype: Any) -> Model:
+    import orbax.checkpoint as ocp
+
+    raw = json.loads((d / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    from jdet.params import abstract_params
+
+    saved_dtype = json.loads((d / NATIVE_MARKER).read_text()).get("dtype", "bfloat16")
+    target = abstract_params(cfg, jnp.dtype(saved_dtype))
+    params = ocp.StandardCheckpointer().restore(d / "params", target)
+    if jnp.dtype(saved_dtype) != jnp.dtype(dtype):
+        params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
+
+
+def _hf_config_from(cfg: ModelConfig) -> dict:
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **dict(cfg.rope_scaling)}
+    return {
+        "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
+    }

@@ -1,0 +1,139 @@
+"""The one dispatch point between the model and its arithmetic, chosen by invariance mode.
+
+Why: the model is written once; `invariance` decides which implementation every reduction uses.
+  "none"  — XLA's own ops (jnp / jax.nn): the fast, non-deterministic baseline.
+  "batch" — Pallas kernels whose reduction order depends on model shapes only (BIO matmul
+            everywhere, paged attention with fixed KV partitions, invariant RMSNorm/log_softmax).
+  "tp"    — as "batch", and the row-parallel projections (o_proj, down_proj) use the tree-reduce
+            matmul (TBIK), whose tree continues across devices, so TP=1..8 give the same bits.
+Under tensor parallelism `row_partial`/`row_reduce` are set by `sharding/`: the row-parallel
+projection computes its f32 shard partial and the cross-device reduction (tree all-reduce in
+"tp", psum in "batch") combines them before the cast.
+Elementwise work (RoPE, SwiGLU, residual adds) has no reduction and is shared by every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("tp", "batch", "none")
+
+
+def check_mode(invariance: str) -> str:
+    if invariance not in MODES:
+        raise ValueError(f"invariance={invariance!r} is not a mode; use one of {MODES}")
+    return invariance
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    invariance: str = "tp"
+    row_partial: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    row_reduce: Callable[[jax.Array], jax.Array] | None = None
+    attn_partition: int = 512  # KV partition size of the paged attention kernel (tokens)
+
+    def __post_init__(self) -> None:
+        check_mode(self.invariance)
+
+    @property
+    def invariant(self) -> bool:
+        return self.invariance != "none"
+
+    # -- reductions over the hidden dimension ---------------------------------------------------
+    def rms_norm(self, x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+        if self.invariant:
+            from pallas_kernels import rms_norm
+
+            return rms_norm(x, w, eps)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (y.astype(x.dtype) * w).astype(x.dtype)
+
+    def matmul(self, x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+        """Column-parallel / unsharded projection x[T, in] @ w[in, out]."""
+        out_dtype = out_dtype or x.dtype
+        if self.invariant:
+            from pallas_kernels import matmul
+
+            return matmul(x, w, out_dtype=out_dtype)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    def row_matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """Row-parallel projection (o_proj, down_proj): the reduction TP splits across devices."""
+        if self.row_reduce is not None:
+            assert self.row_partial is not None
+            return self.row_reduce(self.row_partial(x, w)).astype(x.dtype)
+        if self.invariance == "tp":
+            from pallas_kernels import tree_matmul
+
+            return tree_matmul(x, w, out_dtype=x.dtype)
+        return self.matmul(x, w)
+
+    # -- attention over the paged cache ---------------------------------------------------------
+    def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any,
+                  scale: float) -> jax.Array:
+        """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V."""
+        if self.invariant:
+            from pallas_kernels import paged_attention
+
+            return paged_attention(
+                q, kv["k"][layer], kv["v"][layer], batch.page_table, batch.context_lens,
+                batch.query_start, batch.positions, scale=scale,
+                partition_size=self.attn_partition,
+            )
+        return xla_paged_attention(q, kv["k"], kv["v"], layer, batch, scale)
+
+    # -- reductions over the vocabulary -----------------------------------------------------------
+    def log_softmax(self, logits: jax.Array) -> jax.Array:
+        if self.invariant:
+            from pallas_kernels import log_softmax
+
+            return log_softmax(logits)
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def seq_of_token(query_start: jax.Array, T: int) -> jax.Array:
+    """Sequence index of every token row (padding rows get S, one past the last)."""
+    return jnp.searchsorted(query_start[1:], jnp.arange(T, dtype=jnp.int32), side="right")
+
+
+def xla_paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+                        batch: Any, scale: float, block: int = 32) -> jax.Array:
+    """The "none" baseline: each token gathers its sequence's pages and runs plain XLA softmax
+    attention over the whole context at once (one-shot reductions whose order XLA chooses).
+    Tokens are processed in blocks of `block` rows to bound the gathered K/V's memory.
+    """
+    T, H, E = q.shape
+    _, K, P, B, _ = k_all.shape
+    G = H // K
+    S, Pmax = batch.page_table.shape
+    seq = jnp.minimum(seq_of_token(batch.query_start, T), S - 1)
+    valid_row = jnp.arange(T) < batch.query_start[-1]
+    Tp = -(-T // block) * block
+    pad = Tp - T
+
+    def padt(a: jax.Array) -> jax.Array:
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+
+    qb = padt(q).reshape(Tp // block, block, K, G, E)
+    sb = padt(seq).reshape(Tp // block, block)
+    pb = padt(batch.positions).reshape(Tp // block, block)
+
+    def one(args: tuple) -> jax.Array:
+        qq, ss, pp = args
+        pages = batch.page_table[ss]  # [b, Pmax]
+        k = k_all[layer][:, pages].reshape(K, block, Pmax * B, E)  # [K, b, C, E]
+        v = v_all[layer][:, pages].reshape(K, block, Pmax * B, E)
+        s = jnp.einsum("bkge,kbce->bkgc", qq.astype(jnp.float32), k.astype(jnp.float32)) * scale
+        mask = jnp.arange(Pmax * B)[None, :] <= pp[:, None]  # [b, C]
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bkgc,kbce->bkge", p, v.astype(jnp.float32))
+
+    out = jax.lax.map(one, (qb, sb, pb)).reshape(Tp, H, E)[:T]
+    return jnp.where(valid_row[:, None, None], out, 0).astype(q.dtype)

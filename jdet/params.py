@@ -1,0 +1,119 @@
+"""The one description of every weight: shape, logical axes, Hugging Face name, initialisation.
+
+Why one table: loading, random init, abstract shapes and tensor-parallel sharding all read it, so a
+weight added here is added everywhere. Matrices are stored `[in, out]` (HF stores torch's
+`[out, in]`, so loading transposes), and per-layer weights are stacked on a leading layer axis so
+the forward is one `lax.scan`.
+
+Logical axes name what tensor parallelism may split: "vocab", "heads" (q output), "kv_heads"
+(k/v output), "ffn" (gate/up output, down input), "o_in" (o_proj input, = heads), None replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdet.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    path: tuple[str, ...]  # location in the params pytree
+    shape: tuple[int, ...]  # without the layer axis
+    axes: tuple[str | None, ...]  # logical axes, same length as shape
+    hf_name: str  # with {i} for the layer index
+    transpose: bool  # HF tensor is the transpose of ours
+    init: str  # "normal", "ones" or "zeros"
+    per_layer: bool
+
+
+def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    D, F, V, E = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    Q, KV = cfg.q_size, cfg.kv_size
+    pre = "model.layers.{i}."
+    specs = [
+        WeightSpec(("embed",), (V, D), ("vocab", None), "model.embed_tokens.weight", False,
+                   "normal", False),
+        WeightSpec(("final_norm",), (D,), (None,), "model.norm.weight", False, "ones", False),
+    ]
+    if not cfg.tie_word_embeddings:
+        specs.append(WeightSpec(("lm_head",), (D, V), (None, "vocab"), "lm_head.weight", True,
+                                "normal", False))
+
+    def L(name: str, shape: tuple[int, ...], axes: tuple, hf: str, tr: bool, init: str) -> None:
+        specs.append(WeightSpec(("layers", name), shape, axes, pre + hf, tr, init, True))
+
+    L("attn_norm", (D,), (None,), "input_layernorm.weight", False, "ones")
+    L("wq", (D, Q), (None, "heads"), "self_attn.q_proj.weight", True, "normal")
+    L("wk", (D, KV), (None, "kv_heads"), "self_attn.k_proj.weight", True, "normal")
+    L("wv", (D, KV), (None, "kv_heads"), "self_attn.v_proj.weight", True, "normal")
+    if cfg.qkv_bias:
+        L("bq", (Q,), ("heads",), "self_attn.q_proj.bias", False, "normal")
+        L("bk", (KV,), ("kv_heads",), "self_attn.k_proj.bias", False, "normal")
+        L("bv", (KV,), ("kv_heads",), "self_attn.v_proj.bias", False, "normal")
+    if cfg.qk_norm:
+        L("q_norm", (E,), (None,), "self_attn.q_norm.weight", False, "ones")
+        L("k_norm", (E,), (None,), "self_attn.k_norm.weight", False, "ones")
+    L("wo", (Q, D), ("o_in", None), "self_attn.o_proj.weight", True, "normal")
+    if cfg.o_bias:
+        L("bo", (D,), (None,), "self_attn.o_proj.bias", False, "zeros")
+    L("mlp_norm", (D,), (None,), "post_attention_layernorm.weight", False, "ones")
+    L("w_gate", (D, F), (None, "ffn"), "mlp.gate_proj.weight", True, "normal")
+    L("w_up", (D, F), (None, "ffn"), "mlp.up_proj.weight", True, "normal")
+    L("w_down", (F, D), ("ffn", None), "mlp.down_proj.weight", True, "normal")
+    return specs
+
+
+def get_path(tree: dict, path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def full_shape(cfg: ModelConfig, spec: WeightSpec) -> tuple[int, ...]:
+    return (cfg.num_layers, *spec.shape) if spec.per_layer else spec.shape
+
+
+def map_specs(cfg: ModelConfig, fn: Callable[[WeightSpec], Any]) -> dict:
+    out: dict = {}
+    for spec in weight_specs(cfg):
+        set_path(out, spec.path, fn(spec))
+    return out
+
+
+def abstract_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> dict:
+    return map_specs(cfg, lambda s: jax.ShapeDtypeStruct(full_shape(cfg, s), dtype))
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.bfloat16,
+                scale: float = 0.02) -> dict:
+    """Random weights (tests, benchmarks): normal(0, scale) matrices, ones for norms."""
+    rng = np.random.default_rng(seed)
+
+    def make(spec: WeightSpec) -> jax.Array:
+        shape = full_shape(cfg, spec)
+        if spec.init == "ones":
+            a = np.ones(shape, np.float32)
+        elif spec.init == "zeros":
+            a = np.zeros(shape, np.float32)
+        else:
+            a = rng.standard_normal(shape, dtype=np.float32) * scale
+        return jnp.asarray(a, dtype)
+
+    return map_specs(cfg, make)
+
+
+def param_count(params: dict) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))

@@ -1,0 +1,40 @@
+"""The jitted step functions the engine and the offline loop call (cache donated).
+
+One compile per bucket of (T, S, Pmax, N); the Python side pads to buckets (jdet/batch.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+
+from jdet.batch import StepBatch
+from jdet.config import ModelConfig
+from jdet.kv_cache import init_kv_cache  # noqa: F401  (re-exported: the contract names it here)
+from jdet.model import forward
+from jdet.ops import Ops
+from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
+
+
+def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params: dict, kv: dict, batch: StepBatch,
+             sampling: SamplingInputs) -> tuple[dict, SampleOut]:
+        kv, logits = forward(params, cfg, kv, batch, ops)
+        return kv, sample(logits, sampling, ops)
+
+    return step
+
+
+def make_score_fn(cfg: ModelConfig, ops: Ops) -> Callable:
+    """score(params, kv, batch, targets i32[N]) -> (kv, f32[N]): log p(targets) at logits_rows."""
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def score(params: dict, kv: dict, batch: StepBatch,
+              targets: jax.Array) -> tuple[dict, jax.Array]:
+        kv, logits = forward(params, cfg, kv, batch, ops)
+        return kv, token_logprobs(logits, targets, ops)
+
+    return score

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints written with save_pretrained.
+
+Why through save_pretrained: the tests exercise the real loading path (config.json +
+safetensors with HF names), never a shortcut.
+"""
+
+import os
+
+# Eight host devices let the tensor-parallel tests run on a CPU; harmless elsewhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+TINY = dict(vocab_size=283, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-6, initializer_range=0.2)
+
+ARCH_CONFIGS = {
+    "llama": dict(model_type="llama", head_dim=16, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", head_dim=16, sliding_window=None),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (run on the device: -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip_gpu)
+
+
+def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides):
+    """Write a random-weight checkpoint of `arch` with transformers and return its directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {**TINY, **ARCH_CONFIGS[arch], **overrides}
+    mt = kw.pop("model_type")
+    cfg = AutoConfig.for_model(mt, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # norms and biases random too, so every weight is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn_like(p))  # logits of std ~8: peaked, stable greedy paths
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """arch -> directory of a tiny float32 checkpoint (written once per session)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {a: write_hf_checkpoint(root / a, a) for a in ARCH_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(hf_checkpoints):
+    return hf_checkpoints["qwen3"]
