@@ -17,5 +17,15 @@ def serve(model: Model | str | None = None, **kwargs: object) -> None:
     _serve(model, **kwargs)
 
 
-__all__ = ["LLM", "Model", "ModelConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "load", "save", "serve", "__version__"]
+__all__ = [
+    "LLM",
+    "Model",
+    "ModelConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "load",
+    "save",
+    "serve",
+    "__version__",
+]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdet.batch import build_batch, bucket
+from jdet.batch import bucket, build_batch
 from jdet.loader import Model, load
 from jdet.ops import Ops, check_mode
 from jdet.sampling import NUM_TOP, SamplingInputs
@@ -89,11 +89,15 @@ class LLM:
             raise ValueError("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        return (
+            "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        )
 
     def _check_len(self, n: int, what: str) -> None:
         if n > self.max_model_len:
@@ -103,9 +107,12 @@ class LLM:
             )
 
     # -- API ------------------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -131,8 +138,9 @@ class LLM:
 
         def work() -> None:
             try:
-                _simple_generate(self, [prompt], [ids], [sp],
-                                 on_token=lambda s, t: s == 0 and q.put(("tok", t)))
+                _simple_generate(
+                    self, [prompt], [ids], [sp], on_token=lambda s, t: s == 0 and q.put(("tok", t))
+                )
                 q.put(("end", None))
             except BaseException as e:  # surfaced in the consumer
                 q.put(("err", e))
@@ -150,9 +158,9 @@ class LLM:
             text = self.decode(toks)
             if text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 sequence: wait for the next token
-            yield text[len(sent):]
+            yield text[len(sent) :]
             sent = text
-        tail = self.decode(toks)[len(sent):]
+        tail = self.decode(toks)[len(sent) :]
         if tail:
             yield tail
 
@@ -172,8 +180,13 @@ class LLM:
     def fingerprint(self) -> str:
         from jdet.fingerprint import fingerprint
 
-        return fingerprint(self.model, self.invariance, page_size=self.page_size, tp=self.tp,
-                           attn_partition=self.ops.attn_partition)
+        return fingerprint(
+            self.model,
+            self.invariance,
+            page_size=self.page_size,
+            tp=self.tp,
+            attn_partition=self.ops.attn_partition,
+        )
 
 
 # -- the simple loop --------------------------------------------------------------------------
@@ -190,8 +203,14 @@ def _pad_batch(llm: LLM, items: list[tuple[list[int], int, list[int]]], logits: 
     T = sum(len(t) for t, _, _ in items)
     N = T if logits == "all" else len(items)
     Pm = max(len(p) for _, _, p in items)
-    b, nrows = build_batch(items, llm.page_size, logits=logits, pad_tokens=bucket(T),
-                           pad_seqs=bucket(len(items), 4), pad_pages=bucket(Pm, 4))
+    b, nrows = build_batch(
+        items,
+        llm.page_size,
+        logits=logits,
+        pad_tokens=bucket(T),
+        pad_seqs=bucket(len(items), 4),
+        pad_pages=bucket(Pm, 4),
+    )
     rows = np.zeros(bucket(N, 4), np.int32)
     rows[:N] = b.logits_rows
     b.logits_rows = rows
@@ -217,8 +236,9 @@ def _chunks(llm: LLM, work: list[tuple[int, list[int], int]]) -> list[list[tuple
     return steps
 
 
-def _simple_generate(llm: LLM, prompts: list, ids: list[list[int]],
-                     sps: list[SamplingParams], on_token: Any = None) -> list[RequestOutput]:
+def _simple_generate(
+    llm: LLM, prompts: list, ids: list[list[int]], sps: list[SamplingParams], on_token: Any = None
+) -> list[RequestOutput]:
     # One sequence per (prompt, sample); each reserves its pages up front.
     seqs = [(p, j) for p in range(len(ids)) for j in range(sps[p].n)]
     B = llm.page_size
@@ -244,15 +264,23 @@ def _simple_generate(llm: LLM, prompts: list, ids: list[list[int]],
         nonlocal kv
         batch, _ = _pad_batch(llm, [(t, st, pages[s]) for s, t, st in items], "last")
         N = batch.logits_rows.shape[0]
-        sp_in = _sampling_inputs([sps[seqs[s][0]] for s, _, _ in items],
-                                 [seeds[s] for s, _, _ in items],
-                                 [st + len(t) for _, t, st in items], N)
+        sp_in = _sampling_inputs(
+            [sps[seqs[s][0]] for s, _, _ in items],
+            [seeds[s] for s, _, _ in items],
+            [st + len(t) for _, t, st in items],
+            N,
+        )
         kv, res = llm._step(llm.model.params, kv, batch, sp_in)
         res = jax.device_get(res)
         for r, (s, _, _) in enumerate(items):
             if r in sample_rows:
-                _accept(s, int(res.tokens[r]), float(res.logprobs[r]), res.top_ids[r],
-                        res.top_logprobs[r])
+                _accept(
+                    s,
+                    int(res.tokens[r]),
+                    float(res.logprobs[r]),
+                    res.top_ids[r],
+                    res.top_logprobs[r],
+                )
 
     def _accept(s: int, tok: int, lp: float, top_ids: np.ndarray, top_lp: np.ndarray) -> None:
         sp = sps[seqs[s][0]]
@@ -261,8 +289,12 @@ def _simple_generate(llm: LLM, prompts: list, ids: list[list[int]],
             on_token(s, tok)
         out_lp[s].append(lp)
         if sp.logprobs:
-            out_top[s].append({int(i): float(v) for i, v in
-                               zip(top_ids[: sp.logprobs], top_lp[: sp.logprobs], strict=True)})
+            out_top[s].append(
+                {
+                    int(i): float(v)
+                    for i, v in zip(top_ids[: sp.logprobs], top_lp[: sp.logprobs], strict=True)
+                }
+            )
         stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else eos)
         if tok in stop_ids:
             done[s], reason[s] = True, "stop"
@@ -293,15 +325,26 @@ def _simple_generate(llm: LLM, prompts: list, ids: list[list[int]],
                 k = text.find(stop)
                 if k >= 0:
                     text, fin = text[:k], "stop"
-            comps.append(CompletionOutput(j, toks, np.asarray(out_lp[s], np.float32), text, fin,
-                                          out_top[s] if sps[p].logprobs else None, seeds[s]))
-        results.append(RequestOutput(prompts[p] if isinstance(prompts[p], str) else None,
-                                     ids[p], comps))
+            comps.append(
+                CompletionOutput(
+                    j,
+                    toks,
+                    np.asarray(out_lp[s], np.float32),
+                    text,
+                    fin,
+                    out_top[s] if sps[p].logprobs else None,
+                    seeds[s],
+                )
+            )
+        results.append(
+            RequestOutput(prompts[p] if isinstance(prompts[p], str) else None, ids[p], comps)
+        )
     return results
 
 
-def _sampling_inputs(sps: list[SamplingParams], seeds: list[int], positions: list[int],
-                     N: int) -> SamplingInputs:
+def _sampling_inputs(
+    sps: list[SamplingParams], seeds: list[int], positions: list[int], N: int
+) -> SamplingInputs:
     def col(vals: list, fill: Any, dt: Any) -> jax.Array:
         a = np.full(N, fill, dt)
         a[: len(vals)] = vals

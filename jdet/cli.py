@@ -20,10 +20,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(tp=a.tp, invariance=a.invariance, max_num_batched_tokens=a.max_num_batched_tokens,
-                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                page_size=a.page_size, num_pages=a.num_pages,
-                enable_prefix_caching=not a.no_prefix_caching)
+    return dict(
+        tp=a.tp,
+        invariance=a.invariance,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len,
+        page_size=a.page_size,
+        num_pages=a.num_pages,
+        enable_prefix_caching=not a.no_prefix_caching,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "serve":
             from serving.server import serve
 
-            serve(a.model_dir or a.model, host=a.host, port=a.port, api_key=a.api_key,
-                  dtype=a.dtype, **_engine_kwargs(a))
+            serve(
+                a.model_dir or a.model,
+                host=a.host,
+                port=a.port,
+                api_key=a.api_key,
+                dtype=a.dtype,
+                **_engine_kwargs(a),
+            )
             return 0
         if a.cmd == "bench":
             from benchmarks.serve_bench import main as bench_main
@@ -71,8 +83,13 @@ def _generate(a: argparse.Namespace) -> int:
     import jdet
 
     llm = jdet.LLM(jdet.load(a.model, dtype=a.dtype), **_engine_kwargs(a))
-    sp = jdet.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                             max_tokens=a.max_tokens, seed=a.seed)
+    sp = jdet.SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        max_tokens=a.max_tokens,
+        seed=a.seed,
+    )
     print(a.prompt, end="", flush=True)
     for delta in llm.stream(a.prompt, sp):
         print(delta, end="", flush=True)

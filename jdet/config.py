@@ -61,7 +61,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
-        """Inverse frequencies [E/2] (float32) and the cos/sin scale, as transformers computes them."""
+        """Inverse frequencies [E/2] (f32) and the cos/sin scale, as transformers computes them."""
         return rope_inv_freq(self)
 
     def to_dict(self) -> dict[str, Any]:

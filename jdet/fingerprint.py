@@ -15,16 +15,20 @@ import jax
 from jdet.version import __version__
 
 
-def fingerprint(model: Any, invariance: str, *, page_size: int, tp: int = 1,
-                attn_partition: int = 512) -> str:
+def fingerprint(
+    model: Any, invariance: str, *, page_size: int, tp: int = 1, attn_partition: int = 512
+) -> str:
     dev = jax.devices()[0]
     parts = {
         "weights": model.weights_hash,
         "config": model.cfg.to_dict(),
         "dtype": str(model.dtype),
         "invariance": invariance,
-        "kernel_plan": {"page_size": page_size, "attn_partition": attn_partition,
-                        "tp": tp if invariance != "tp" else "any"},
+        "kernel_plan": {
+            "page_size": page_size,
+            "attn_partition": attn_partition,
+            "tp": tp if invariance != "tp" else "any",
+        },
         "jdet": __version__,
         "backend": dev.platform,
         "device_kind": dev.device_kind,

@@ -13,8 +13,13 @@ import jax.numpy as jnp
 from jdet.config import ModelConfig
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jnp.bfloat16,
-                  num_kv_heads: int | None = None) -> dict[str, jax.Array]:
+def init_kv_cache(
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: Any = jnp.bfloat16,
+    num_kv_heads: int | None = None,
+) -> dict[str, jax.Array]:
     K = num_kv_heads or cfg.num_kv_heads
     shape = (cfg.num_layers, K, num_pages, page_size, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -136,9 +136,9 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
     specs = weight_specs(cfg)
     expected = set()
     for s in specs:
-        names = [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [
-            s.hf_name
-        ]
+        names = (
+            [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [s.hf_name]
+        )
         expected.update(names)
     # Some checkpoints of tied models still carry lm_head.weight; it must equal the embedding.
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -161,9 +161,9 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
     params: dict = {}
     np_dtype = np.dtype(dtype)
     for s in specs:
-        names = [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [
-            s.hf_name
-        ]
+        names = (
+            [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [s.hf_name]
+        )
         want = tuple(reversed(s.shape)) if s.transpose else s.shape
         out = np.empty(full_shape(cfg, s), np_dtype)
         for i, name in enumerate(names):
@@ -195,8 +195,9 @@ def load_tokenizer(d: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(d))
 
 
-def load(path: str | Path | None = None, dtype: Any = "bfloat16",
-         progress: bool | None = None) -> Model:
+def load(
+    path: str | Path | None = None, dtype: Any = "bfloat16", progress: bool | None = None
+) -> Model:
     """Load a model directory: Hugging Face format or a jdet (orbax) checkpoint.
 
     With no path, the small model embedded in the package is returned.
@@ -215,7 +216,7 @@ def load(path: str | Path | None = None, dtype: Any = "bfloat16",
             "*.safetensors) or a checkpoint written by jdet.save()"
         )
     raw = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw)
+    cfg = _with_generation_eos(ModelConfig.from_hf(raw), d)
     params = load_hf_params(d, cfg, dtype, progress)
     return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
 
@@ -247,7 +248,7 @@ def _load_native(d: Path, dtype: Any) -> Model:
     import orbax.checkpoint as ocp
 
     raw = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw)
+    cfg = _with_generation_eos(ModelConfig.from_hf(raw), d)
     from jdet.params import abstract_params
 
     saved_dtype = json.loads((d / NATIVE_MARKER).read_text()).get("dtype", "bfloat16")
@@ -258,18 +259,40 @@ def _load_native(d: Path, dtype: Any) -> Model:
     return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
 
 
+def _with_generation_eos(cfg: ModelConfig, d: Path) -> ModelConfig:
+    """Add generation_config.json's eos ids (HF models often keep the chat EOS only there)."""
+    f = d / "generation_config.json"
+    if not f.exists():
+        return cfg
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
+    return dataclasses.replace(cfg, eos_token_ids=ids)
+
+
 def _hf_config_from(cfg: ModelConfig) -> dict:
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
+    arch = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }[cfg.model_type]
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **dict(cfg.rope_scaling)}
     return {
-        "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope,
+        "architectures": [arch],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.qkv_bias,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
     }

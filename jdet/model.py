@@ -43,9 +43,17 @@ def _head_norm(ops: Ops, x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return ops.rms_norm(x.reshape(T * n, E), w, eps).reshape(T, n, E)
 
 
-def layer_forward(lp: dict, x: jax.Array, kv: dict, layer: jax.Array, batch: StepBatch,
-                  cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
-                  ops: Ops) -> tuple[jax.Array, dict]:
+def layer_forward(
+    lp: dict,
+    x: jax.Array,
+    kv: dict,
+    layer: jax.Array,
+    batch: StepBatch,
+    cos: jax.Array,
+    sin: jax.Array,
+    cfg: ModelConfig,
+    ops: Ops,
+) -> tuple[jax.Array, dict]:
     T = x.shape[0]
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
@@ -88,8 +96,9 @@ def lm_head_weight(params: dict) -> jax.Array:
     return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
-def hidden_states(params: dict, cfg: ModelConfig, kv: dict, batch: StepBatch,
-                  ops: Ops) -> tuple[dict, jax.Array]:
+def hidden_states(
+    params: dict, cfg: ModelConfig, kv: dict, batch: StepBatch, ops: Ops
+) -> tuple[dict, jax.Array]:
     """All layers; returns the updated cache and the final hidden states [T, D] (pre-norm)."""
     x = embed(params, batch.token_ids)
     cos, sin = rope_tables(cfg, batch.positions)
@@ -110,8 +119,9 @@ def logits_from_hidden(params: dict, cfg: ModelConfig, x: jax.Array, ops: Ops) -
     return ops.matmul(h, lm_head_weight(params), out_dtype=jnp.float32)
 
 
-def forward(params: dict, cfg: ModelConfig, kv: dict, batch: StepBatch,
-            ops: Ops) -> tuple[dict, jax.Array]:
+def forward(
+    params: dict, cfg: ModelConfig, kv: dict, batch: StepBatch, ops: Ops
+) -> tuple[dict, jax.Array]:
     """One step: returns (updated cache, f32 logits for `batch.logits_rows` [N, V])."""
     kv, x = hidden_states(params, cfg, kv, batch, ops)
     return kv, logits_from_hidden(params, cfg, x[batch.logits_rows], ops)

@@ -75,15 +75,22 @@ class Ops:
         return self.matmul(x, w)
 
     # -- attention over the paged cache ---------------------------------------------------------
-    def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any,
-                  scale: float) -> jax.Array:
+    def attention(
+        self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float
+    ) -> jax.Array:
         """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V."""
         if self.invariant:
             from pallas_kernels import paged_attention
 
             return paged_attention(
-                q, kv["k"][layer], kv["v"][layer], batch.page_table, batch.context_lens,
-                batch.query_start, batch.positions, scale=scale,
+                q,
+                kv["k"][layer],
+                kv["v"][layer],
+                batch.page_table,
+                batch.context_lens,
+                batch.query_start,
+                batch.positions,
+                scale=scale,
                 partition_size=self.attn_partition,
             )
         return xla_paged_attention(q, kv["k"], kv["v"], layer, batch, scale)
@@ -102,8 +109,15 @@ def seq_of_token(query_start: jax.Array, T: int) -> jax.Array:
     return jnp.searchsorted(query_start[1:], jnp.arange(T, dtype=jnp.int32), side="right")
 
 
-def xla_paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                        batch: Any, scale: float, block: int = 32) -> jax.Array:
+def xla_paged_attention(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    layer: jax.Array,
+    batch: Any,
+    scale: float,
+    block: int = 32,
+) -> jax.Array:
     """The "none" baseline: each token gathers its sequence's pages and runs plain XLA softmax
     attention over the whole context at once (one-shot reductions whose order XLA chooses).
     Tokens are processed in blocks of `block` rows to bound the gathered K/V's memory.

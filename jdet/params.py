@@ -38,13 +38,17 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
     Q, KV = cfg.q_size, cfg.kv_size
     pre = "model.layers.{i}."
     specs = [
-        WeightSpec(("embed",), (V, D), ("vocab", None), "model.embed_tokens.weight", False,
-                   "normal", False),
+        WeightSpec(
+            ("embed",), (V, D), ("vocab", None), "model.embed_tokens.weight", False, "normal", False
+        ),
         WeightSpec(("final_norm",), (D,), (None,), "model.norm.weight", False, "ones", False),
     ]
     if not cfg.tie_word_embeddings:
-        specs.append(WeightSpec(("lm_head",), (D, V), (None, "vocab"), "lm_head.weight", True,
-                                "normal", False))
+        specs.append(
+            WeightSpec(
+                ("lm_head",), (D, V), (None, "vocab"), "lm_head.weight", True, "normal", False
+            )
+        )
 
     def L(name: str, shape: tuple[int, ...], axes: tuple, hf: str, tr: bool, init: str) -> None:
         specs.append(WeightSpec(("layers", name), shape, axes, pre + hf, tr, init, True))
@@ -97,8 +101,9 @@ def abstract_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> dict:
     return map_specs(cfg, lambda s: jax.ShapeDtypeStruct(full_shape(cfg, s), dtype))
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.bfloat16,
-                scale: float = 0.02) -> dict:
+def init_params(
+    cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.bfloat16, scale: float = 0.02
+) -> dict:
     """Random weights (tests, benchmarks): normal(0, scale) matrices, ones for norms."""
     rng = np.random.default_rng(seed)
 

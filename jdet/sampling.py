@@ -48,8 +48,9 @@ def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
     )
 
 
-def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                        ops: Ops) -> jax.Array:
+def _filter_top_k_top_p(
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops
+) -> jax.Array:
     N, V = scaled.shape
     srt = -jnp.sort(-scaled, axis=-1)  # descending, exact
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)

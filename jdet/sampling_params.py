@@ -33,10 +33,14 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.seed is None or 0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got "
-             f"{self.seed}"),
-            (self.logprobs is None or 0 <= self.logprobs <= NUM_TOP,
-             f"logprobs must be in [0, {NUM_TOP}], got {self.logprobs}"),
+            (
+                self.seed is None or 0 <= self.seed < 2**32,
+                f"seed must be in [0, 2**32), got {self.seed}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= NUM_TOP,
+                f"logprobs must be in [0, {NUM_TOP}], got {self.logprobs}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

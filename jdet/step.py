@@ -18,22 +18,28 @@ from jdet.ops import Ops
 from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
 
 
+@functools.cache
 def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
+    """Cached per (cfg, ops): every LLM/engine over the same model shares one compile cache."""
+
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params: dict, kv: dict, batch: StepBatch,
-             sampling: SamplingInputs) -> tuple[dict, SampleOut]:
+    def step(
+        params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
+    ) -> tuple[dict, SampleOut]:
         kv, logits = forward(params, cfg, kv, batch, ops)
         return kv, sample(logits, sampling, ops)
 
     return step
 
 
+@functools.cache
 def make_score_fn(cfg: ModelConfig, ops: Ops) -> Callable:
     """score(params, kv, batch, targets i32[N]) -> (kv, f32[N]): log p(targets) at logits_rows."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def score(params: dict, kv: dict, batch: StepBatch,
-              targets: jax.Array) -> tuple[dict, jax.Array]:
+    def score(
+        params: dict, kv: dict, batch: StepBatch, targets: jax.Array
+    ) -> tuple[dict, jax.Array]:
         kv, logits = forward(params, cfg, kv, batch, ops)
         return kv, token_logprobs(logits, targets, ops)
 

@@ -14,19 +14,43 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-TINY = dict(vocab_size=283, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rms_norm_eps=1e-6, initializer_range=0.2)
+TINY = dict(
+    vocab_size=283,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+)
 
 ARCH_CONFIGS = {
-    "llama": dict(model_type="llama", head_dim=16, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}),
+    "llama": dict(
+        model_type="llama",
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "mistral": dict(model_type="mistral", head_dim=16, sliding_window=None),
-    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                   "original_max_position_embeddings": 64}),
+    "qwen2": dict(
+        model_type="qwen2",
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
 }
 

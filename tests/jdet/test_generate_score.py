@@ -8,14 +8,18 @@ import jdet
 
 @pytest.fixture(scope="module")
 def llm_f32(hf_checkpoints):
-    return jdet.LLM(jdet.load(hf_checkpoints["qwen3"], dtype="float32"), invariance="none",
-                    max_num_batched_tokens=32)
+    return jdet.LLM(
+        jdet.load(hf_checkpoints["qwen3"], dtype="float32"),
+        invariance="none",
+        max_num_batched_tokens=32,
+    )
 
 
 def test_generated_logprobs_agree_with_score(llm_f32):
     prompts = [[5, 17, 33, 2, 9, 100, 7], [44, 1, 250]]
-    outs = llm_f32.generate(prompts, jdet.SamplingParams(temperature=0.8, seed=3, max_tokens=10,
-                                                         ignore_eos=True))
+    outs = llm_f32.generate(
+        prompts, jdet.SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
+    )
     scores = llm_f32.score([p + o.token_ids for p, o in zip(prompts, outs, strict=True)])
     for p, o, s in zip(prompts, outs, scores, strict=True):
         assert len(o.token_ids) == 10 and o.logprobs.shape == (10,)
@@ -23,8 +27,12 @@ def test_generated_logprobs_agree_with_score(llm_f32):
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(llm_f32):
-    sp = lambda seed: jdet.SamplingParams(temperature=8.0, seed=seed, max_tokens=12,  # noqa: E731
-                                          ignore_eos=True)
+    sp = lambda seed: jdet.SamplingParams(
+        temperature=8.0,
+        seed=seed,
+        max_tokens=12,  # noqa: E731
+        ignore_eos=True,
+    )
     a = llm_f32.generate([[3, 4, 5]], sp(1))[0].token_ids
     b = llm_f32.generate([[3, 4, 5]], sp(1))[0].token_ids
     c = llm_f32.generate([[3, 4, 5]], sp(2))[0].token_ids
@@ -33,16 +41,20 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(llm_f32):
 
 
 def test_top_k_one_is_greedy(llm_f32):
-    g = llm_f32.generate([[9, 8, 7]], jdet.SamplingParams(temperature=0.0, max_tokens=6,
-                                                          ignore_eos=True))[0]
-    k = llm_f32.generate([[9, 8, 7]], jdet.SamplingParams(temperature=1.5, top_k=1, seed=5,
-                                                          max_tokens=6, ignore_eos=True))[0]
+    g = llm_f32.generate(
+        [[9, 8, 7]], jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )[0]
+    k = llm_f32.generate(
+        [[9, 8, 7]],
+        jdet.SamplingParams(temperature=1.5, top_k=1, seed=5, max_tokens=6, ignore_eos=True),
+    )[0]
     assert g.token_ids == k.token_ids
 
 
 def test_top_logprobs_are_sorted_and_include_greedy_token(llm_f32):
-    o = llm_f32.generate([[9, 8, 7]], jdet.SamplingParams(temperature=0.0, max_tokens=3,
-                                                          logprobs=5, ignore_eos=True))[0]
+    o = llm_f32.generate(
+        [[9, 8, 7]], jdet.SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
+    )[0]
     for tok, lp, top in zip(o.token_ids, o.logprobs, o.outputs[0].top_logprobs, strict=True):
         vals = list(top.values())
         assert len(top) == 5 and vals == sorted(vals, reverse=True)

@@ -25,8 +25,10 @@ def test_sharded_checkpoint_loads_like_single_file(hf_checkpoints, tmp_path):
     tensors = load_file(src / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for fname, ns in shards.items():
         save_file({n: tensors[n] for n in ns}, tmp_path / fname)
     index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}

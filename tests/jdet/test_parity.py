@@ -39,12 +39,18 @@ def test_greedy_continuation_matches_transformers(hf_checkpoints, arch):
     model = jdet.load(hf_checkpoints[arch], dtype="float32")
     llm = jdet.LLM(model, invariance="none")
     prompt = np.random.default_rng(2).integers(0, model.cfg.vocab_size, 9).tolist()
-    out = llm.generate([prompt], jdet.SamplingParams(temperature=0.0, max_tokens=12,
-                                                     ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], jdet.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )[0]
     hf = AutoModelForCausalLM.from_pretrained(hf_checkpoints[arch], dtype=torch.float32)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, 9:].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, 9:].tolist()
     assert out.token_ids == ref
 
 
