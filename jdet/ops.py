@@ -84,14 +84,15 @@ class Ops:
 
             return paged_attention(
                 q,
-                kv["k"][layer],
-                kv["v"][layer],
+                kv["k"],
+                kv["v"],
                 batch.page_table,
                 batch.context_lens,
                 batch.query_start,
                 batch.positions,
                 scale=scale,
                 partition_size=self.attn_partition,
+                layer=layer,
             )
         return xla_paged_attention(q, kv["k"], kv["v"], layer, batch, scale)
 

@@ -1,0 +1,227 @@
+"""Paged attention vs XLA/cuDNN attention, side by side in one run; writes JSON.
+
+Decode (bf16, head_dim 128, page 16): achieved bandwidth = bytes of K/V + Q + O over the time,
+against the HBM copy bandwidth measured in the same run (device-to-device copy, read + write
+bytes), and the time ratio to `jax.nn.dot_product_attention` (XLA) on the same shapes laid out
+contiguously. Prefill (causal, one sequence): TFLOP/s and ratio to `jax.nn.dot_product_attention`
+with implementation='cudnn' (falling back to XLA where cuDNN is unavailable).
+
+Usage: PYTHONPATH=. python3 benchmarks/attention_bench.py [out_dir]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import paged_attention
+
+DECODE_CASES = [(1, 32, 8, 32768), (16, 32, 1, 4096), (64, 32, 8, 4096), (256, 32, 8, 1024)]
+PREFILL_TOKENS = [2048, 8192]
+E = 128
+PAGE = 16
+
+
+def _time(fn, *args, iters: int = 20, reps: int = 3) -> float:
+    """Median over `reps` of the mean time of `iters` back-to-back async dispatches (seconds)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a large device-to-device copy-like pass (read + write counted)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * -1.0)
+    t = _time(f, x, iters=10)
+    return 2 * nbytes / t
+
+
+def _paged_case(key, b, h, hkv, ctx, dtype=jnp.bfloat16):
+    pages_per_seq = ctx // PAGE
+    num_pages = b * pages_per_seq
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    kc = jax.random.normal(k1, (hkv, num_pages, PAGE, E), dtype)
+    vc = jax.random.normal(k2, (hkv, num_pages, PAGE, E), dtype)
+    pt = jax.random.permutation(k3, num_pages).reshape(b, pages_per_seq).astype(jnp.int32)
+    q = jax.random.normal(k4, (b, h, E), dtype)
+    return q, kc, vc, pt
+
+
+def bench_decode(key, b, h, hkv, ctx, bw) -> dict:
+    q, kc, vc, pt = _paged_case(key, b, h, hkv, ctx)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    qs = jnp.arange(b + 1, dtype=jnp.int32)
+    pos = jnp.full((b,), ctx - 1, jnp.int32)
+    scale = E**-0.5
+    f = jax.jit(lambda *a: paged_attention(*a, scale=scale))
+    t_paged = _time(f, q, kc, vc, pt, lens, qs, pos)
+    other = {}
+    for st in ("split", "looped"):
+        fs = jax.jit(lambda *a, st=st: paged_attention(*a, scale=scale, structure=st))
+        other[f"{st}_ms"] = _time(fs, q, kc, vc, pt, lens, qs, pos) * 1e3
+    nbytes = 2 * b * ctx * hkv * E * 2 + 2 * b * h * E * 2
+    # XLA on the same shapes, contiguous [B, ctx, Hkv, E].
+    kk = kc.reshape(hkv, b, ctx, E).transpose(1, 2, 0, 3)
+    vv = vc.reshape(hkv, b, ctx, E).transpose(1, 2, 0, 3)
+    g = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=scale))
+    t_xla = _time(g, q, kk, vv)
+    return {
+        "B": b, "H": h, "H_kv": hkv, "ctx": ctx,
+        "paged_ms": t_paged * 1e3, "xla_ms": t_xla * 1e3,
+        "paged_GBps": nbytes / t_paged / 1e9, "xla_GBps": nbytes / t_xla / 1e9,
+        "paged_frac_copy_bw": nbytes / t_paged / bw, "xla_frac_copy_bw": nbytes / t_xla / bw,
+        "time_ratio_xla_over_paged": t_xla / t_paged, **other,
+    }  # fmt: skip
+
+
+def bench_prefill(key, n, h=32, hkv=8) -> dict:
+    q, kc, vc, pt = _paged_case(key, 1, h, hkv, n)
+    q = jax.random.normal(key, (n, h, E), jnp.bfloat16)
+    lens = jnp.array([n], jnp.int32)
+    qs = jnp.array([0, n], jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    scale = E**-0.5
+    f = jax.jit(lambda *a: paged_attention(*a, scale=scale))
+    t_paged = _time(f, q, kc, vc, pt, lens, qs, pos, iters=5)
+    fs = jax.jit(lambda *a: paged_attention(*a, scale=scale, structure="split"))
+    t_split = _time(fs, q, kc, vc, pt, lens, qs, pos, iters=5)
+    flops = 4 * h * E * n * (n + 1) / 2
+    kk = kc.reshape(hkv, 1, n, E).transpose(1, 2, 0, 3)
+    vv = vc.reshape(hkv, 1, n, E).transpose(1, 2, 0, 3)
+    res = {"tokens": n, "H": h, "H_kv": hkv, "paged_ms": t_paged * 1e3,
+           "paged_TFLOPs": flops / t_paged / 1e12, "split_ms": t_split * 1e3}  # fmt: skip
+    for impl in ("cudnn", "xla"):
+        try:
+            g = jax.jit(
+                lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                    q[None], k, v, scale=scale, is_causal=True, implementation=impl
+                )
+            )
+            t = _time(g, q, kk, vv, iters=5)
+            res[f"{impl}_ms"] = t * 1e3
+            res[f"{impl}_TFLOPs"] = flops / t / 1e12
+            res[f"ratio_paged_over_{impl}_speed"] = t / t_paged
+        except Exception as exc:  # noqa: BLE001 - record and go on: cuDNN may be missing
+            res[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return res
+
+
+def run(out_dir: str) -> dict:
+    """Run every case, write `attention_bench.json` under out_dir, return the results."""
+    dev = jax.devices()[0]
+    results: dict = {"device": dev.device_kind, "jax": jax.__version__, "decode": [],
+                     "prefill": []}  # fmt: skip
+    bw = copy_bandwidth()
+    results["copy_GBps"] = bw / 1e9
+    key = jax.random.PRNGKey(0)
+    for case in DECODE_CASES:
+        try:
+            r = bench_decode(key, *case, bw)
+        except Exception as exc:  # noqa: BLE001
+            r = {"case": case, "error": traceback.format_exc()[-2000:]}
+            print(exc, file=sys.stderr)
+        print(json.dumps(r), flush=True)
+        results["decode"].append(r)
+    for n in PREFILL_TOKENS:
+        try:
+            r = bench_prefill(key, n)
+        except Exception as exc:  # noqa: BLE001
+            r = {"tokens": n, "error": traceback.format_exc()[-2000:]}
+            print(exc, file=sys.stderr)
+        print(json.dumps(r), flush=True)
+        results["prefill"].append(r)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "attention_bench.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    return results
+
+
+SWEEP = [  # (block_rows, block_kv, num_warps, num_stages): each a different, self-consistent plan
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2),
+    (32, 64, 4, 2),
+]  # fmt: skip
+
+
+def sweep(out_dir: str) -> list:
+    """Time the tile-plan candidates on the decode cases and the 8k prefill (ms)."""
+    key = jax.random.PRNGKey(1)
+    scale = E**-0.5
+    cases = []
+    for b, h, hkv, ctx in DECODE_CASES:
+        q, kc, vc, pt = _paged_case(key, b, h, hkv, ctx)
+        lens = jnp.full((b,), ctx, jnp.int32)
+        cases.append(
+            (
+                f"decode B{b} H{h} Hkv{hkv} ctx{ctx}",
+                (
+                    q,
+                    kc,
+                    vc,
+                    pt,
+                    lens,
+                    jnp.arange(b + 1, dtype=jnp.int32),
+                    jnp.full((b,), ctx - 1, jnp.int32),
+                ),
+            )
+        )
+    n = 8192
+    _, kc, vc, pt = _paged_case(key, 1, 32, 8, n)
+    q = jax.random.normal(key, (n, 32, E), jnp.bfloat16)
+    cases.append(
+        (
+            "prefill 8k",
+            (
+                q,
+                kc,
+                vc,
+                pt,
+                jnp.array([n], jnp.int32),
+                jnp.array([0, n], jnp.int32),
+                jnp.arange(n, dtype=jnp.int32),
+            ),
+        )
+    )
+    rows = []
+    for br, bk, nw, ns in SWEEP:
+        row = {"block_rows": br, "block_kv": bk, "num_warps": nw, "num_stages": ns}
+        for name, args in cases:
+            try:
+                f = jax.jit(
+                    lambda *a, br=br, bk=bk, nw=nw, ns=ns: paged_attention(
+                        *a, scale=scale, block_rows=br, block_kv=bk, num_warps=nw, num_stages=ns
+                    )
+                )
+                row[name] = _time(f, *args, iters=8, reps=2) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                row[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "attention_sweep.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = args[0] if args else os.environ.get("OUT", "out")
+    if "--sweep" in sys.argv:
+        sweep(out)
+    else:
+        run(out)
