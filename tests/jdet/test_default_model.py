@@ -18,9 +18,9 @@ MODEL_DIR = ROOT / "jdet" / "default_model"
 LN_V = math.log(8192)
 # The recorded held-out loss must sit well under the uniform baseline ln V = 9.01 nats.
 HELDOUT_BOUND = 0.6 * LN_V
-# A 31-document sample (~2.7k tokens) lands near the full-split figure (measured: sample
-# 3.93 vs split 3.55); a broken export or tokenizer would be off by nats, not tenths.
-SAMPLE_SLACK = 0.6
+# A 93-document sample (~7k tokens) lands near the full-split figure (measured: sample 3.58 vs
+# split 3.54; quarter-samples range 3.34-3.74); a broken export or tokenizer is off by nats.
+SAMPLE_SLACK = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +120,15 @@ def test_transformers_heldout_loss_agrees_with_training_log(hf_model, tokenizer,
 
 
 def test_greedy_generation_decodes_to_printable_words(hf_model, tokenizer):
-    ids = tokenizer("Return the", return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = hf_model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ids = tokenizer("Return a list of", return_tensors="pt").input_ids
+    with torch.no_grad():  # min_new_tokens: no early <|endoftext|>, always 20 tokens to judge
+        out = hf_model.generate(
+            ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
+        )
     text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert text.strip(), "empty continuation"
     assert text.replace("\n", " ").replace("\t", " ").isprintable(), repr(text)
-    words = [w for w in text.split() if w.strip(".,:;()'\"").isalpha()]
+    words = [w for w in text.split() if any(c.isalpha() for c in w)]
     assert len(words) >= 5, repr(text)
 
 
@@ -157,7 +159,7 @@ def test_export_matches_transformers_on_tiny_random_config(tmp_path):
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 37))
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)).logits.numpy()
-    ours = np.asarray(tt.forward(params, cfg, jnp.asarray(tokens)))
+    ours = np.asarray(jax.jit(tt.forward, static_argnums=1)(params, cfg, jnp.asarray(tokens)))
     assert np.abs(ref - ours).max() < 1e-4, np.abs(ref - ours).max()
 
 
