@@ -350,12 +350,13 @@ def paged_attention(
 
     k_cache/v_cache [K, P, B, E] already hold this step's K/V. With `layer` (an int32 scalar),
     they are the whole stacked cache [L, K, P, B, E] and the kernel reads layer `layer` in place:
-    slicing the layer out first would copy the layer's whole page pool on every step. Rows of
-    padding tokens (in no sequence) come back as zeros. `structure` picks the program layout ('split': split-KV grid
-    plus merge kernel, for decode-heavy steps; 'looped': partitions merged in registers, for
-    prefill; 'auto' chooses from T and S); both give the same bits. `block_kv`, `block_rows` and
-    the Triton launch parameters exist for tests and benchmarks; the defaults are the plan, and
-    every call that must agree bitwise has to use the same values.
+    slicing the layer out first would copy the layer's whole page pool on every step.
+    Rows of padding tokens (in no sequence) come back as zeros.
+    `structure` picks the program layout — 'split': split-KV grid plus merge kernel, for
+    decode-heavy steps; 'looped': partitions merged in registers, for prefill; 'auto' chooses
+    from T and S — and both give the same bits. `block_kv`, `block_rows` and the Triton launch
+    parameters exist for tests and benchmarks; the defaults are the plan, and every call that
+    must agree bitwise has to use the same values.
     """
     stacked = layer is not None
     if stacked:

@@ -1,0 +1,43 @@
+"""Pallas kernels whose reduction order depends on model shapes only, each with a pure-jnp
+reference. This package knows nothing about models (DESIGN §2)."""
+
+from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.tree_matmul import (
+    TREE_WIDTH,
+    combine_tree,
+    tree_matmul,
+    tree_matmul_partial,
+    tree_matmul_reference,
+    tree_plan,
+)
+from pallas_kernels.vocab import (
+    cumsum_fixed_order,
+    log_softmax,
+    log_softmax_reference,
+    logsumexp,
+    logsumexp_reference,
+    top_p_mask,
+)
+
+__all__ = [
+    "TREE_WIDTH",
+    "combine_tree",
+    "tree_plan",
+    "cumsum_fixed_order",
+    "log_softmax",
+    "log_softmax_reference",
+    "logsumexp",
+    "logsumexp_reference",
+    "matmul",
+    "matmul_reference",
+    "paged_attention",
+    "paged_attention_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "top_p_mask",
+    "tree_matmul",
+    "tree_matmul_partial",
+    "tree_matmul_reference",
+]

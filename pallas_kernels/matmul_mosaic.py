@@ -1,0 +1,355 @@
+"""Hopper (sm_90) Mosaic GPU versions of `matmul` (BIO) and `tree_matmul` (TBIK).
+
+Kernel: persistent, warp-specialised (one TMA producer warpgroup, two wgmma consumer warpgroups),
+a TMA -> SMEM pipeline over K as deep as SMEM allows (4-6 stages), f32 wgmma accumulators in
+registers, tiled epilogue through SMEM and TMA stores. Written after jax's
+`ops/gpu/hopper_matmul_mgpu.py` (same pipeline/epilogue API), without clusters.
+
+Reduction plan. Tiles are a function of N (and the kernel kind) only; M is zero padded to the
+CTA rows. Every wgmma step is 64 wide in K and accumulates into an f32 register accumulator.
+Which SM computes a tile (the persistent schedule) varies with M, the arithmetic of a tile does not,
+so row i is bitwise the same for any M.
+- matmul (BIO): CTA 128 x 256 when N % 256 == 0, else 128 x 128 (N % 128 == 0 required),
+  warpgroups side by side along N; one sequential K range = all of K per output tile.
+- tree_matmul (TBIK, `tree_plan` leaves of k_first tiles): CTA 128x128, warpgroups stacked along M
+  (64x128 f32 accumulator each). A work item is (leaf group, m tile, n tile); a group of `subtree`
+  consecutive leaves is reduced in registers: each leaf accumulates its k_first steps sequentially
+  from zero; at a leaf's end a binary counter pushes it into (or combines it with, lower K on the
+  left) log2(subtree) register partials -- exactly the perfect-tree additions of the portable
+  kernel. With subtree == num_leaves the whole tree stays in registers and the epilogue casts.
+  Otherwise the num_leaves / subtree group results (f32) are added pairwise by one fused XLA
+  element-wise pass that also casts. `tree_strategy` picks subtree from (M, N): whole tree when
+  the whole-tree work items fill the SMs, groups of 4 leaves otherwise (split-K parallelism for
+  decode). This is not a reduction-order choice: all strategies perform the same f32 additions in
+  the same order, and a GPU test checks they give identical bits.
+Only 16-bit inputs are supported here (f32 falls back to the portable kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_M = 128
+BLOCK_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiles of the Mosaic kernel: a function of (N, output dtype, kernel kind) only."""
+
+    tile_m: int  # rows per warpgroup
+    tile_n: int  # columns per warpgroup
+    tile_k: int
+    max_concurrent_steps: int
+    wg_split: str = "N"  # the two consumer warpgroups sit side by side along "N" or "M"
+    subtree: int = 1  # leaves combined in registers per work item (1: each leaf is a work item)
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "M" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "N" else 1)
+
+
+def supports(k: int, n: int, dtype, tree: bool = False) -> bool:
+    """Whether the Mosaic kernel handles a (K, N) weight of `dtype` (a function of K, N only)."""
+    del tree  # the tree plan of a 16-bit K that is a multiple of 64 always fits
+    return jnp.dtype(dtype).itemsize == 2 and k % BLOCK_K == 0 and n % 128 == 0
+
+
+SMEM_BUDGET = 224 * 1024  # of the 227 KiB an H100 block may use; the rest is barriers
+
+
+def _stages(cta_m: int, cta_n: int, tile_m: int, tile_n: int, out_dtype) -> int:
+    """Pipeline depth that fills SMEM: bf16 A and B tiles per stage + the epilogue buffers."""
+    stage = (cta_m * BLOCK_K + BLOCK_K * cta_n) * 2
+    slots = min(2, (tile_m * tile_n) // (64 * 64))
+    epilogue = 2 * slots * 64 * 64 * jnp.dtype(out_dtype).itemsize
+    return int(min(6, (SMEM_BUDGET - epilogue) // stage))
+
+
+def mosaic_config(n: int, out_dtype, cta_n: int | None = None) -> MosaicConfig:
+    """BIO tile plan for an N-wide output: never a function of M.
+
+    CTA 128 x cta_n with the two warpgroups side by side along N; cta_n = 256 when N % 256 == 0
+    (else 128), `cta_n` overrides it for tuning. Stages fill SMEM (4 at 256, 6 at 128).
+    """
+    if cta_n is None:
+        cta_n = 256 if n % 256 == 0 else 128
+    tile_n = cta_n // 2
+    steps = _stages(BLOCK_M, cta_n, BLOCK_M, tile_n, out_dtype)
+    return MosaicConfig(tile_m=BLOCK_M, tile_n=tile_n, tile_k=BLOCK_K, max_concurrent_steps=steps)
+
+
+# Tree kernel: CTA 128 x tile_n, each consumer warpgroup a 64 x tile_n f32 accumulator plus
+# log2(subtree) register partials (64 registers each at tile_n = 128).
+TREE_SUBTREE = 2
+TREE_TILE_N = 128
+
+
+def tree_config(
+    subtree: int = TREE_SUBTREE, tile_n: int = TREE_TILE_N, out_dtype=jnp.float32, wide=False
+) -> MosaicConfig:
+    """Tile plan of the tree kernel (N % 128 == 0 is all it needs).
+
+    Narrow: CTA 128 x tile_n, warpgroups stacked along M (64 x tile_n accumulators). Wide: CTA
+    128 x 2*tile_n like the BIO kernel, warpgroups side by side along N (128 x tile_n accumulators,
+    the register partials then spill between leaf ends).
+    """
+    if wide:
+        return MosaicConfig(
+            tile_m=128,
+            tile_n=tile_n,
+            tile_k=BLOCK_K,
+            max_concurrent_steps=_stages(128, 2 * tile_n, 128, tile_n, out_dtype),
+            wg_split="N",
+            subtree=subtree,
+        )
+    return MosaicConfig(
+        tile_m=64,
+        tile_n=tile_n,
+        tile_k=BLOCK_K,
+        max_concurrent_steps=_stages(128, tile_n, 64, tile_n, out_dtype),
+        wg_split="M",
+        subtree=subtree,
+    )
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_rows: int):
+    """Work item = (leaf group g, m tile, n tile); group g covers cfg.subtree leaves."""
+    dtype = a_gmem.dtype
+    out_dtype = out_gmem.dtype
+    k = a_gmem.shape[1]
+    n = b_gmem.shape[1]
+    leaf_k = k // num_leaves
+    sub = cfg.subtree
+    num_groups = num_leaves // sub
+    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_m, cta_n = cfg.cta_m, cfg.cta_n
+    m_iters = m_rows // cta_m
+    n_iters = n // cta_n
+    k_first = leaf_k // tile_k  # K steps per leaf
+    k_iters = sub * k_first
+
+    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    num_out_slots = min(2, (tile_m * tile_n) // (epi_m * epi_n))
+    out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+    out_swizzle_elems = out_swizzle // jnp.dtype(out_dtype).itemsize
+    out_transforms = (
+        plgpu.TilingTransform((8, out_swizzle_elems)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
+
+    def get_pipeline(pipeline_body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            pipeline_body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (cta_m, tile_k),
+                    lambda kk: (0, kk),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                ),
+                plgpu.BlockSpec(
+                    (tile_k, cta_n),
+                    lambda kk: (kk, 0),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - allocation query only
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+        wg_idx = lax.axis_index("wg")
+        if cfg.wg_split == "M":
+            wg_m, wg_n = pl.ds(wg_idx * tile_m, tile_m), slice(None)
+        else:
+            wg_m, wg_n = slice(None), pl.ds(wg_idx * tile_n, tile_n)
+
+        @plgpu.nd_loop((num_groups * m_iters * n_iters,), collective_axes="cluster_grid")
+        def _work_loop(loop_info):
+            (lin_idx,) = loop_info.index
+            group = lin_idx // (m_iters * n_iters)
+            mn = lin_idx % (m_iters * n_iters)
+            m_idx, n_idx = plgpu.planar_snake(mn, (m_iters, n_iters), 1, 8)
+            m_slice = pl.ds(m_idx * cta_m, cta_m)
+            n_slice = pl.ds(n_idx * cta_n, cta_n)
+            k_slice = pl.ds(group * sub * leaf_k, sub * leaf_k)
+            out_rows = pl.ds(group * m_rows + m_idx * cta_m, cta_m)
+
+            def compute_context(eval_pipeline):
+                depth = sub.bit_length() - 1  # live partials of a perfect tree of `sub` leaves
+                scoped = {f"s{i}": plgpu.ACC((tile_m, tile_n), jnp.float32) for i in range(depth)}
+
+                @functools.partial(
+                    pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32), **scoped
+                )
+                def _acc_scope(acc_ref, **stack):
+                    stack_refs = [stack[f"s{i}"] for i in range(depth)]
+                    eval_pipeline((acc_ref, *stack_refs))
+                    # The last leaf is in acc; all counter bits are set: fold the stack in.
+                    node = acc_ref[...]
+                    for ref in stack_refs:
+                        node = ref[...] + node
+                    out = node.astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for mi in range(tile_m // epi_m):
+                        for ni in range(tile_n // epi_n):
+                            em = slice(mi * epi_m, (mi + 1) * epi_m)
+                            en = slice(ni * epi_n, (ni + 1) * epi_n)
+                            slot = (mi * (tile_n // epi_n) + ni) % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg_idx, slot] = out[em, en]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg_idx, slot],
+                                out_gmem.at[out_rows, n_slice].at[wg_m, wg_n].at[em, en],
+                            )
+
+            def mma_body(idxs, a_smem, b_smem, carry):
+                acc_ref, *stack_refs = carry
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+                plgpu.wgmma_wait(0)
+                if sub > 1:
+                    (kk,) = idxs
+                    leaf_end = (kk + 1) % k_first == 0
+                    leaf = kk // k_first
+                    for j in range(sub - 1):  # leaf sub-1 stays in acc for the epilogue
+
+                        @pl.when(leaf_end & (leaf == j))
+                        def _push(j=j):
+                            node = acc_ref[...]
+                            level = 0
+                            while (j >> level) & 1:  # binary counter: combine, lower K left
+                                node = stack_refs[level][...] + node
+                                level += 1
+                            stack_refs[level][...] = node
+                            acc_ref[...] = jnp.zeros((tile_m, tile_n), jnp.float32)
+
+                return carry
+
+            get_pipeline(mma_body, compute_context)(
+                a_gmem.at[m_slice, k_slice],
+                b_gmem.at[k_slice, n_slice],
+                allocations=pipeline_allocs,
+            )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "num_leaves", "cfg"))
+def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: MosaicConfig):
+    """[num_leaves / cfg.subtree, Mp, N] subtree products, Mp = M padded to the CTA rows."""
+    m, k = a.shape
+    n = b.shape[1]
+    pad = -m % cfg.cta_m
+    if pad:
+        a = jnp.pad(a, ((0, pad), (0, 0)))
+    mp = m + pad
+    groups = num_leaves // cfg.subtree
+    f = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, num_leaves=num_leaves, m_rows=mp),
+        out_type=jax.ShapeDtypeStruct((groups * mp, n), out_dtype),
+        grid=(_num_sms(),),
+        grid_names=("cluster_grid",),
+        cluster=(1,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return f(a, b).reshape(groups, mp, n)
+
+
+def matmul(a: jax.Array, b: jax.Array, out_dtype, cta_n: int | None = None) -> jax.Array:
+    """BIO matmul on Hopper: one sequential K range per output tile."""
+    m = a.shape[0]
+    cfg = mosaic_config(b.shape[1], jnp.dtype(out_dtype), cta_n)
+    return _leaf_products(a, b, jnp.dtype(out_dtype), 1, cfg)[0, :m]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("out_dtype", "num_leaves", "subtree", "tile_n", "wide")
+)
+def _tree(a, b, out_dtype, num_leaves: int, subtree: int, tile_n: int, wide: bool):
+    from pallas_kernels.tree_matmul import combine_tree
+
+    m = a.shape[0]
+    if min(subtree, num_leaves) == num_leaves:  # the whole tree in registers: cast in epilogue
+        cfg = tree_config(num_leaves, tile_n, out_dtype, wide)
+        return _leaf_products(a, b, out_dtype, num_leaves, cfg)[0, :m]
+    cfg = tree_config(subtree, tile_n, jnp.float32, wide)
+    parts = _leaf_products(a, b, jnp.dtype(jnp.float32), num_leaves, cfg)
+    return combine_tree([parts[j, :m] for j in range(parts.shape[0])]).astype(out_dtype)
+
+
+def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool]:
+    """(subtree, wide) for an M x N product: how the fixed tree is spread over work items.
+
+    This is the one place M enters, and it cannot change a bit: every strategy performs the same
+    f32 additions in the same order (tests/pallas_kernels/test_tree_matmul.py checks it on the
+    GPU). When whole-tree work items fill the machine, the whole tree stays in
+    registers (no f32 partials in HBM); otherwise groups of 4 leaves run as separate work items
+    (split-K parallelism for decode) and XLA adds the group results.
+    """
+    tiles = pl.cdiv(m, 128) * (n // 128)  # whole-tree work items of the narrow config
+    if tiles >= _num_sms():
+        return num_leaves, TREE_WIDE
+    return min(4, num_leaves), False
+
+
+TREE_WIDE = False
+
+
+def tree_matmul(
+    a: jax.Array,
+    b: jax.Array,
+    out_dtype,
+    *,
+    k_total: int,
+    num_leaves: int,
+    subtree: int | None = None,
+    tile_n: int = TREE_TILE_N,
+    wide: bool = False,
+):
+    """TBIK subtree over a's K columns (num_leaves leaves of the plan of k_total) on Hopper.
+
+    `subtree` leaves are combined in registers per work item, the rest by XLA; the bits do not
+    depend on it (same additions, same order), only the speed does.
+    """
+    del k_total  # the leaf width is a.shape[1] / num_leaves == the plan's leaf_k
+    if subtree is None:
+        subtree, wide = tree_strategy(a.shape[0], b.shape[1], num_leaves)
+    return _tree(a, b, jnp.dtype(out_dtype), num_leaves, subtree, tile_n, wide)

@@ -1,0 +1,98 @@
+"""Batch-invariant RMSNorm: y = w * (x * rsqrt(mean(x^2) + eps)), one row per program.
+
+Reduction plan: each program owns one row. It walks the hidden dim in fixed blocks of block_d
+lanes (block_d a function of D only), accumulating x^2 lane-wise in f32, then sums the block_d
+lanes with one fixed-shape reduction. Nothing depends on the number of rows T, so row i is bitwise
+the same for any T. Rounding follows Hugging Face (Llama/Qwen): the normalised row is rounded to
+x.dtype before the multiply by the weight, which is done in x.dtype.
+
+One kernel for every backend: Triton on a GPU, interpret mode on CPU (RMSNorm is memory-bound; a
+row per program already streams at copy speed, so Hopper needs no Mosaic version).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _platform
+
+
+def _load(ref, mask, other):
+    """Masked load where the block is ragged; a plain load (Triton rejects `other` without a
+    mask) where it is not."""
+    if mask is None:
+        return pltriton.load(ref)
+    return pltriton.load(ref, mask=mask, other=other)
+
+
+def block_d_for(d: int) -> int:
+    """Lanes per step over the hidden dim: a function of D only."""
+    return min(1 << max(0, (d - 1).bit_length()), 1024)
+
+
+def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float, block_d: int):
+    d = x_ref.shape[0]
+    steps = pl.cdiv(d, block_d)
+    ragged = d % block_d != 0
+
+    def lanes(i):
+        idx = i * block_d + jnp.arange(block_d)
+        return idx, (idx < d) if ragged else None
+
+    def sq_body(i, acc):
+        idx, mask = lanes(i)
+        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
+        return acc + x * x
+
+    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
+    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
+
+    def out_body(i, carry):
+        idx, mask = lanes(i)
+        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
+        w = _load(w_ref.at[idx], mask, 0.0).astype(o_ref.dtype)
+        normed = (x * inv).astype(o_ref.dtype)
+        # The product of two 16-bit floats is exact in f32, so rounding it once to x.dtype is
+        # bitwise a native x.dtype multiply (HF's `weight * hidden.to(dtype)`), on every backend.
+        y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[idx], y, mask=mask)
+        return carry
+
+    lax.fori_loop(0, steps, out_body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant."""
+    if x.ndim != 2 or w.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm expects x[T, D] and w[D]; got {x.shape} and {w.shape}")
+    t, d = x.shape
+    block_d = block_d_for(d)
+    interpret = _platform.interpret_default()
+    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        functools.partial(_rms_kernel, eps=float(eps), block_d=block_d),
+        out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
+        grid=(t,),
+        in_specs=[
+            pl.BlockSpec((None, d), lambda i: (i, 0)),
+            pl.BlockSpec((d,), lambda i: (0,)),
+        ],
+        out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
+        interpret=interpret,
+        compiler_params=params,
+        name="bi_rms_norm",
+    )(x, w)
+
+
+def rms_norm_reference(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Plain jnp RMSNorm with the same rounding points (XLA's reduction order, not invariant)."""
+    x32 = x.astype(jnp.float32)
+    inv = 1.0 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * (x32 * inv).astype(x.dtype)
