@@ -1,0 +1,62 @@
+"""Engine metrics: Prometheus series for `/metrics` plus raw samples for the benchmarks.
+
+Why both: Prometheus histograms answer "how is the server doing" cheaply; a benchmark needs the
+exact per-request TTFT / inter-token latencies to compute p50/p99 itself. Each engine owns its
+own `CollectorRegistry`, so several engines in one process (tests, benchmarks) never collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40)
+_TOK = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class RawStats:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+
+
+class EngineMetrics:
+    def __init__(self, keep_raw: bool = True) -> None:
+        r = self.registry = CollectorRegistry()
+        self.raw = RawStats() if keep_raw else None
+        p = "jdet_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "TTFT", registry=r, buckets=_LAT)
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Inter-token latency", registry=r, buckets=_LAT
+        )
+        self.queue = Histogram(
+            p + "queue_time_seconds", "Arrival to first schedule", registry=r, buckets=_LAT
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "Arrival to finish", registry=r, buckets=_LAT
+        )
+        self.step_tokens = Histogram(p + "step_tokens", "Tokens per step", registry=r, buckets=_TOK)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Recompute preemptions", registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Tokens looked up", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens served from cache", registry=r)
+        self.finished = Counter(
+            p + "requests_finished", "Finished requests", ["reason"], registry=r
+        )
+        self.kv_pages_used = Gauge(p + "kv_pages_in_use", "KV pages held by sequences", registry=r)
+        self.kv_pages_total = Gauge(p + "kv_pages_total", "KV pages in the pool", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Running sequences", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Waiting sequences", registry=r)
+
+    def observe(self, name: str, value: float) -> None:
+        getattr(self, name).observe(value)
+        if self.raw is not None:
+            getattr(self.raw, name).append(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,140 @@
+"""Sarathi-Serve stall-free scheduling: a token budget per step, decodes first, chunked prefills.
+
+Each step gets `max_num_batched_tokens` tokens. In order:
+  1. every running sequence that is decoding gets its one token (oldest first);
+  2. running sequences still prefilling get a chunk of what is left of the budget (oldest first);
+  3. waiting sequences are admitted first-come-first-served while the budget, `max_num_seqs` and
+     the free pages (above the watermark) allow, each with a prefill chunk.
+When a running sequence needs a page and none is free, the newest running sequence is preempted
+by recomputation: its pages are released (their prefix hashes survive, so the recompute is mostly
+a cache hit) and it goes back to the head of the waiting queue.
+
+Chunk boundaries may fall anywhere: output bits do not depend on them, because the kernels are
+chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
+
+`policy="prefill_first"` is the baseline Sarathi-Serve improves on (vLLM v0): whenever a waiting
+sequence can be admitted, the step holds prefills only and running decodes stall.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from serving.block_manager import BlockManager
+from serving.sequence import Sequence, Status
+
+POLICIES = ("stall_free", "prefill_first")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        policy: str = "stall_free",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # admission order: oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and return its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq)
+        seq.status = Status.FINISHED
+
+    # ------------------------------------------------------------------ the step plan
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, number of its tokens to compute) pairs, within budget."""
+        plan: dict[Sequence, int] = {}
+        budget = [self.max_num_batched_tokens]
+        passes = (True, False)
+        if self.policy == "prefill_first" and self.waiting:
+            self._schedule_running_pass(False, plan, budget)
+            self._admit_waiting(plan, budget)
+            if plan:
+                return list(plan.items())
+            passes = (True,)
+        for decoding in passes:
+            self._schedule_running_pass(decoding, plan, budget)
+        self._admit_waiting(plan, budget)
+        return list(plan.items())
+
+    def _schedule_running_pass(self, decoding: bool, plan: dict, budget: list[int]) -> None:
+        """Decodes (one token each) or running prefills (a chunk each), oldest first."""
+        for seq in list(self.running):
+            if budget[0] == 0:
+                break
+            if seq.status is not Status.RUNNING or seq in plan:
+                continue  # preempted earlier in this pass
+            if (seq.num_uncomputed == 1) == decoding:
+                self._schedule_running(seq, plan, budget)
+
+    def _schedule_running(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
+        want = min(seq.num_uncomputed, budget[0])
+        while not self.bm.grow(seq, want):
+            fit = self.bm.tokens_fitting(seq, self.bm.num_free)
+            if fit >= 1 and seq.num_uncomputed > 1:  # a prefill chunk may shrink to fit
+                want = fit
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, plan, budget)
+            if victim is seq:
+                return
+        plan[seq] = want
+        budget[0] -= want
+
+    def _admit_waiting(self, plan: dict, budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.match_prefix(seq)
+            revived = sum(1 for p in cached if self.bm.ref_count[p] == 0)
+            avail = self.bm.num_free - revived - self.bm.watermark_pages
+            uncomputed = seq.num_tokens - len(cached) * self.bm.page_size
+            want = min(uncomputed, budget[0], avail * self.bm.page_size)
+            if want < 1:
+                break  # strict FCFS: the head waits for pages, nobody overtakes it
+            self.waiting.popleft()
+            self.bm.admit(seq, cached)
+            assert self.bm.grow(seq, want)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan[seq] = want
+            budget[0] -= want
+
+    def _preempt(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
+        """Recompute preemption: drop the K/V, requeue at the head of `waiting`."""
+        if seq in plan:
+            budget[0] += plan.pop(seq)
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ after the step
+    def advance(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Account the K/V the step wrote and publish newly full pages to the prefix cache."""
+        for seq, n in plan:
+            if seq.status is Status.RUNNING:
+                seq.num_computed_tokens += n
+                self.bm.register_full_pages(seq)

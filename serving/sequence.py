@@ -1,0 +1,158 @@
+"""A sequence owns its state: tokens, pages, progress, sampling settings and timings.
+
+The scheduler moves sequences between its `waiting` and `running` deques; the block manager only
+reads and writes `block_table` / `page_hashes`. One request with `n` samples becomes `n` sequences
+that share the prompt but carry distinct seeds (see `derive_seed`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import secrets
+from dataclasses import dataclass, field
+
+NUM_TOP = 20  # top log-probs the step returns per row (jdet.step.NUM_TOP)
+_SEQ_IDS = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What the engine needs to know about how to sample one request (already validated).
+
+    The engine accepts any object with these attribute names (e.g. `jdet.SamplingParams`); see
+    `SamplingOptions.from_any`. `seed=None` means "pick one at admission and record it".
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top log-probs to report per token (0..NUM_TOP)
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_any(cls, p: object | None) -> SamplingOptions:
+        """Copy the known fields from any params object (or dict); unknown fields are ignored."""
+        if p is None:
+            return cls()
+        if isinstance(p, SamplingOptions):
+            return p
+        get = p.get if isinstance(p, dict) else lambda k, d: getattr(p, k, d)
+        stop = get("stop", ()) or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        top_k = get("top_k", 0)
+        return cls(
+            temperature=float(get("temperature", 1.0)),
+            top_p=float(get("top_p", 1.0)),
+            top_k=0 if top_k is None or top_k < 0 else int(top_k),
+            seed=get("seed", None),
+            max_tokens=get("max_tokens", 16),
+            n=1 if get("n", 1) is None else int(get("n", 1)),
+            stop=tuple(stop),
+            stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
+            ignore_eos=bool(get("ignore_eos", False)),
+            logprobs=get("logprobs", None),
+            skip_special_tokens=bool(get("skip_special_tokens", True)),
+        )
+
+
+def derive_seed(seed: int | None, index: int) -> int:
+    """The u32 seed of sample `index` of a request with seed `seed`.
+
+    Sample 0 of a request whose seed fits in u32 uses it unchanged (so `seed=0` means key 0, as in
+    the offline API); other samples and out-of-range seeds go through a fixed hash, so the `n`
+    samples differ from each other yet depend only on (seed, index). `None` draws a fresh seed.
+    """
+    if seed is None:
+        return secrets.randbits(32)
+    if index == 0 and 0 <= seed < 2**32:
+        return int(seed)
+    digest = hashlib.blake2b(f"jdet-seed:{seed}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated. `token_ids` is prompt + output; KV exists for the first
+    `num_computed_tokens` of them (reset to 0 on recompute preemption)."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    seed: int  # the u32 seed actually used (recorded so the output is reproducible)
+    arrival_time: float = 0.0
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # hash chain of its registered pages
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
+    num_preemptions: int = 0
+    # outputs
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0  # incremental detokenisation window over token_ids (see engine)
+    read_offset: int = 0
+    emitted_chars: int = 0  # text / tokens already reported to the caller
+    emitted_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # timings (engine clock, seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.read_offset = len(self.prompt_token_ids)
+        self.prefix_offset = max(0, self.read_offset - 5)  # a little context for leading spaces
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V is not yet in the cache (1 for a decode, more while prefilling)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"pages={len(self.block_table)})"
+        )

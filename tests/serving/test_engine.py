@@ -1,0 +1,199 @@
+"""Engine behaviour on a tiny random Qwen3: stop strings across token boundaries, streaming deltas,
+max_tokens / stop tokens, abort, validation, metrics, the offline backend, scheduling policy."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from serving.llm_backend import generate
+from tests.serving.test_engine_invariance import PROBES, make_engine, run
+
+MODE = "none"  # behaviour, not bits: the fast plain-XLA mode keeps these tests cheap
+
+
+def pieces(tok, ids: list[int]) -> list[str]:
+    """The text each token adds (what incremental detokenisation yields)."""
+    out, prev = [], ""
+    for i in range(len(ids)):
+        cur = tok.decode(ids[: i + 1], skip_special_tokens=True)
+        out.append(cur[len(prev) :])
+        prev = cur
+    return out
+
+
+def find_boundary(tok, ids: list[int]) -> int | None:
+    ps = pieces(tok, ids)
+    for k in range(len(ps) - 1):
+        a, b = ps[k], ps[k + 1]
+        if a and b and (a + b).isprintable() and (a + b).isascii():
+            return k
+    return None
+
+
+def test_stop_string_across_a_token_boundary_ends_and_is_removed(serving_model):
+    eng = make_engine(serving_model, MODE)
+    tok = serving_model.tokenizer
+    rng = random.Random(0)
+    for attempt in range(20):
+        prompt = tok(f"The quick brown fox {attempt}")["input_ids"]
+        params = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+        base = run(eng, [("base", prompt, params)])["base"].outputs[0]
+        k = find_boundary(tok, base.token_ids)
+        if k is not None:
+            break
+        rng.random()
+    else:
+        pytest.skip("no two adjacent printable tokens in 20 greedy outputs of the random model")
+    ps = pieces(tok, base.token_ids)
+    stop = ps[k][-1] + ps[k + 1][0]  # spans the boundary between tokens k and k+1
+    cut = base.text.find(stop)
+    got = run(eng, [("s", prompt, {**params, "stop": ["\x00never", stop]})])["s"].outputs[0]
+    assert got.text == base.text[:cut] and stop not in got.text
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.token_ids == base.token_ids[: len(got.token_ids)]
+    assert len(got.token_ids) < len(base.token_ids)
+
+
+def test_streamed_deltas_add_up_to_the_final_text_and_never_leak_the_stop(serving_model):
+    eng = make_engine(serving_model, MODE)
+    tok = serving_model.tokenizer
+    prompt = tok("hello world, hello")["input_ids"]
+    base = run(eng, [("b", prompt, dict(temperature=0, max_tokens=30))])["b"].outputs[0]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 2] or "zz"
+    eng.add_request("s", prompt, dict(temperature=0, max_tokens=30, stop=stop, logprobs=1))
+    text, ids, lps, last = "", [], [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            c = o.outputs[0]
+            text += c.delta_text
+            ids += c.delta_token_ids
+            lps += c.logprobs[c.delta_start : len(c.token_ids)]
+            last = o
+    c = last.outputs[0]
+    assert last.finished and text == c.text and ids == c.token_ids and lps == c.logprobs
+    assert stop not in text
+
+
+def test_max_tokens_and_stop_token_ids_end_the_sequence(serving_model):
+    eng = make_engine(serving_model, MODE)
+    ids, _ = PROBES["greedy"]
+    a = run(eng, [("a", ids, dict(temperature=0, max_tokens=5, ignore_eos=True))])["a"]
+    assert len(a.outputs[0].token_ids) == 5 and a.outputs[0].finish_reason == "length"
+    third = a.outputs[0].token_ids[2]
+    first_hit = a.outputs[0].token_ids.index(third)
+    b = run(eng, [("b", ids, dict(temperature=0, max_tokens=5, stop_token_ids=[third]))])["b"]
+    out = b.outputs[0]
+    assert out.token_ids == a.outputs[0].token_ids[: first_hit + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == third
+
+
+def test_generation_stops_at_max_model_len(serving_model):
+    eng = make_engine(serving_model, MODE)
+    prompt = [random.Random(1).randrange(1, 320) for _ in range(120)]
+    o = run(eng, [("a", prompt, dict(temperature=0, max_tokens=None, ignore_eos=True))])["a"]
+    assert len(o.outputs[0].token_ids) == 128 - 120 and o.outputs[0].finish_reason == "length"
+
+
+def test_abort_in_any_state_returns_every_page(serving_model):
+    eng = make_engine(serving_model, MODE, budget=16)
+    rng = random.Random(2)
+    for i in range(6):
+        prompt = [rng.randrange(1, 320) for _ in range(rng.randrange(5, 40))]
+        eng.add_request(f"r{i}", prompt, dict(max_tokens=30, ignore_eos=True, seed=i))
+    assert eng.abort("r5")  # still waiting
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 3:
+            assert eng.abort("r0")  # running (decoding) and in flight
+        if steps == 4:
+            assert eng.abort("r3")  # mid-prefill
+        live = [s for r in eng.requests.values() for s in r.seqs if not s.is_finished]
+        eng.block_manager.check(live)
+    assert not eng.abort("r0") and not eng.abort("nope")
+    eng.block_manager.check([])
+    assert eng.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "words"),
+    [
+        ([], {}, "empty"),
+        ([1, 2, 320], {}, "vocabulary"),
+        (list(range(1, 129)), {}, "max_model_len"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"logprobs": 21}, "logprobs"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"n": 0}, "n must"),
+        ([1, 2], {"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_requests_are_refused_before_the_scheduler(serving_model, prompt, params, words):
+    eng = make_engine(serving_model, MODE)
+    with pytest.raises(ValueError, match=words):
+        eng.add_request("x", prompt, params)
+    assert not eng.has_unfinished() and not eng.scheduler.has_work()
+
+
+def test_metrics_report_latency_tokens_pages_preemptions_and_prefix_hits(serving_model):
+    eng = make_engine(serving_model, MODE)
+    ids, params = PROBES["greedy"]
+    run(eng, [("a", ids, params)])
+    run(eng, [("b", ids, params)])  # prefix hit
+    text = eng.metrics.render().decode()
+    for name in [
+        "jdet_time_to_first_token_seconds_count 2.0",
+        "jdet_inter_token_latency_seconds",
+        "jdet_queue_time_seconds",
+        "jdet_step_tokens",
+        "jdet_kv_pages_in_use 0.0",
+        "jdet_preemptions_total",
+        "jdet_prefix_cache_hits_total 24.0",
+    ]:
+        assert name in text, name
+    assert len(eng.metrics.raw.itl) == 2 * 11 and len(eng.metrics.raw.ttft) == 2
+
+
+def test_offline_backend_returns_jdet_outputs_equal_to_the_engine(serving_model):
+    import jdet
+
+    eng = make_engine(serving_model, MODE)
+    ids, params = PROBES["sampled"]
+    direct = run(eng, [("d", ids, params)])["d"].outputs[0]
+    sp = jdet.SamplingParams(**{k: v for k, v in params.items()})
+    outs = generate(eng, [ids, ids], [sp, jdet.SamplingParams(temperature=0, max_tokens=3)])
+    assert isinstance(outs[0], jdet.RequestOutput)
+    assert outs[0].token_ids == direct.token_ids
+    assert np.array_equal(outs[0].logprobs, np.asarray(direct.logprobs, np.float32))
+    assert outs[0].outputs[0].seed == 1234 and len(outs[1].token_ids) == 3
+
+
+def test_prefill_first_scheduling_gives_the_same_bits(serving_model):
+    ids, params = PROBES["sampled"]
+    a = run(make_engine(serving_model, MODE), [("p", ids, params)])["p"].outputs[0]
+    b_eng = make_engine(serving_model, MODE, scheduling="prefill_first")
+    reqs = [(f"o{i}", [i + 1] * (5 + i), dict(max_tokens=4)) for i in range(4)]
+    b = run(b_eng, reqs + [("p", ids, params)])["p"].outputs[0]
+    assert a.token_ids == b.token_ids and np.array_equal(a.logprobs, b.logprobs)
+
+
+def test_stream_backend_yields_deltas_of_the_generate_text_and_frees_pages_when_dropped(
+    serving_model,
+):
+    import jdet
+    from serving.llm_backend import stream
+
+    eng = make_engine(serving_model, MODE)
+    ids = serving_model.tokenizer("hello world")["input_ids"]
+    sp = jdet.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = generate(eng, [ids], [sp])[0].text
+    assert "".join(stream(eng, ids, sp)) == full
+    it = stream(eng, ids, sp)
+    next(it)
+    it.close()  # the consumer walks away
+    assert not eng.has_unfinished() and eng.block_manager.num_used == 0
