@@ -363,6 +363,11 @@ def paged_attention(
         if k_cache.ndim != 5:
             raise ValueError(f"with `layer`, k/v caches are [L, K, P, B, E]; got {k_cache.shape}")
         n_layers = k_cache.shape[0]
+        if k_cache.size >= 2**31:
+            raise ValueError(
+                f"the stacked cache {k_cache.shape} has {k_cache.size} elements; its flat page "
+                "pool is addressed with 32-bit offsets, so use fewer pages (< 2**31 elements)"
+            )
         one = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
         _check(q, one, one, page_table, context_lens, query_start, positions, partition_size)
         k_cache = k_cache.reshape((-1, *k_cache.shape[2:]))
@@ -425,8 +430,11 @@ def paged_attention(
         structure = "split" if nt * kh < SPLIT_BELOW_PROGRAMS else "looped"
     cache_spec = pl.BlockSpec((None, num_pages, page_size, e), lambda i, k, *_: (k, 0, 0, 0))
     if stacked:
-        # The kernel gets the whole [L*K, P, B, E] cache and picks head layer*K + k itself.
-        cache_spec = pl.BlockSpec(k_cache.shape, lambda i, k, *_: (0, 0, 0, 0))
+        # The kernel gets the whole cache as one page pool [L*K*P, B, E] and offsets its page
+        # indices by (layer*K + k) * P itself (one indexer: what the Triton lowering supports).
+        k_cache = k_cache.reshape((-1, page_size, e))
+        v_cache = v_cache.reshape((-1, page_size, e))
+        cache_spec = pl.BlockSpec(k_cache.shape, lambda i, k, *_: (0, 0, 0))
     pt_spec = pl.BlockSpec((None, num_parts * ppp), lambda i, k, *_: (i, 0))
     lim_spec = pl.BlockSpec((None, rows), lambda i, k, *_: (i, 0))
     q_spec = pl.BlockSpec((None, None, rows, e), lambda i, k, *_: (i, k, 0, 0))
@@ -434,11 +442,11 @@ def paged_attention(
     tag = f"r{rows}_bk{bk}_ps{partition_size}"
     hb, hb_specs = [], []
     if stacked:
-        hb = [(jnp.asarray(layer, jnp.int32) * kh).reshape(1)]
+        hb = [(jnp.asarray(layer, jnp.int32) * kh * num_pages).reshape(1)]
         hb_specs = [pl.BlockSpec((1,), lambda *_: (0,))]
     if structure == "looped":
         out = pl.pallas_call(
-            _layered(functools.partial(_looped_kernel, plan=plan), stacked),
+            _layered(functools.partial(_looped_kernel, plan=plan), stacked, num_pages),
             grid=(nt, kh),
             in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
             out_specs=q_spec,
@@ -449,7 +457,7 @@ def paged_attention(
         )(*hb, pt, lim, q_tiles, k_cache, v_cache)
     else:
         acc, m, lsum = pl.pallas_call(
-            _layered(functools.partial(_split_kernel, plan=plan), stacked),
+            _layered(functools.partial(_split_kernel, plan=plan), stacked, num_pages),
             grid=(nt, kh, num_parts),
             in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
             out_specs=[
@@ -488,14 +496,25 @@ def paged_attention(
     return out.reshape(t, h, e)
 
 
-def _layered(kernel, stacked: bool):
-    """With a stacked cache, prepend the head-base input and hand the kernel its head's pool."""
+class _PagePool:
+    """A [pages, B, E] ref seen through a page offset: `pool[pages]` reads `ref[pages + off]`."""
+
+    def __init__(self, ref, off):
+        self.ref, self.off = ref, off
+
+    def __getitem__(self, pages):
+        return self.ref[pages + self.off]
+
+
+def _layered(kernel, stacked: bool, num_pages: int):
+    """With a stacked cache, prepend the layer's page base and hand the kernel its head's pool
+    (layer*K + k) * P ... + P - 1 of the flattened [L*K*P, B, E] cache."""
     if not stacked:
         return kernel
 
     def wrapped(hb_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, *outs):
-        head = hb_ref[0] + pl.program_id(1)
-        return kernel(pt_ref, lim_ref, q_ref, k_ref.at[head], v_ref.at[head], *outs)
+        off = hb_ref[0] + pl.program_id(1) * num_pages
+        return kernel(pt_ref, lim_ref, q_ref, _PagePool(k_ref, off), _PagePool(v_ref, off), *outs)
 
     return wrapped
 

@@ -51,7 +51,11 @@ def default_num_pages(
     limit = stats.get("bytes_limit")
     if limit:
         free = int(limit * memory_fraction) - int(stats.get("bytes_in_use", 0))
-        return max(cdiv(max_model_len, page_size), free // page_bytes)
+        # The paged-attention kernel addresses each of k and v as one flat page pool with 32-bit
+        # element offsets (Triton): keep L * K * P * B * E below 2**31.
+        per_page = cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim
+        cap = (2**31 - 1) // per_page
+        return max(cdiv(max_model_len, page_size), min(free // page_bytes, cap))
     return min(cdiv(max_model_len, page_size) * max_num_seqs, 4096)
 
 
