@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="tests,matmul,attention,serve")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--pytest-args", default="")
+    ap.add_argument(
+        "--serve-args",
+        default="--shape 0.6b --parts offline,decode --n-requests 1000",
+        help="arguments for benchmarks.serve_bench (the full default run exceeds 10 minutes)",
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if part == "tests":
                 results[part] = run_tests(out, a.pytest_args.split())
+            elif part == "serve":
+                results[part] = importlib.import_module(PARTS[part]).run(
+                    out, argv=a.serve_args.split()
+                )
             else:
                 results[part] = importlib.import_module(PARTS[part]).run(out)
         except Exception:
