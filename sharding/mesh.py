@@ -1,0 +1,61 @@
+"""The 1-D tensor-parallel mesh and the `shard_map` entry point for both supported jax versions.
+
+Why one axis: jdet splits a model only by tensor parallelism inside one host (DESIGN §5), so the
+mesh is `tp` devices on a line. TP sizes are powers of two because the cross-device reduction is a
+binary tree (see `tree_allreduce`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+TP_AXIS = "tp"
+MAX_TP = 8  # largest TP size the padded weights are laid out for (see specs.pad_params)
+
+
+def check_tp_size(tp: int, available: int | None = None) -> None:
+    """Raise ValueError unless `tp` is a power of two <= MAX_TP (and <= available devices)."""
+    if not isinstance(tp, int) or tp < 1 or tp & (tp - 1) or tp > MAX_TP:
+        raise ValueError(
+            f"tp={tp!r} is not supported: the tree all-reduce needs a power of two and weights are "
+            f"padded for at most {MAX_TP} devices; use tp = 1, 2, 4 or 8"
+        )
+    if available is not None and tp > available:
+        raise ValueError(
+            f"tp={tp} needs {tp} devices but only {available} are visible "
+            f"({jax.default_backend()}); lower tp, or on CPU set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
+        )
+
+
+def make_tp_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """A mesh of the first `tp` local devices on the single axis 'tp'."""
+    devs = list(jax.local_devices() if devices is None else devices)
+    check_tp_size(tp, len(devs))
+    # Mesh() rather than jax.make_mesh: make_mesh insists on using every device (and its default
+    # axis type changed across versions), while TP=2 on an 8-GPU host must take a subset.
+    return Mesh(np.array(devs[:tp]), (TP_AXIS,))
+
+
+def tp_size(mesh: Mesh) -> int:
+    return int(mesh.shape[TP_AXIS])
+
+
+def shard_map(
+    f: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, check: bool = False
+) -> Callable:
+    """`jax.shard_map` where present (jax >= 0.6), else `jax.experimental.shard_map.shard_map`.
+
+    Replication checking is off by default: outputs of `tree_allreduce` are equal on every device
+    by construction (same operands, same order), which the checker cannot see through ppermute.
+    """
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover (old jax)
+
+    return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)

@@ -1,0 +1,177 @@
+"""How every weight and the KV cache are laid out across the 'tp' mesh axis.
+
+Column-parallel (output split): wq/bq over query heads, wk/wv/bk/bv over kv heads, w_gate/w_up over
+the FFN width, lm_head over the vocabulary. Row-parallel (input split, partial sums combined by the
+tree all-reduce): wo over query heads, w_down over the FFN width. Replicated: norms, embed, bo.
+The KV cache `[L, K, P, B, E]` is split on its kv-head axis 1.
+
+Padding (why it happens once, for every TP size): sizes that do not divide by tp are padded, never
+refused. Zero FFN columns are exact (silu(0) * 0 = 0 feeds zero rows of w_down). Zero lm_head
+columns give logits that `tp.py` slices away before log_softmax/sampling, so logits are exact.
+But padding changes the K tile count of down_proj, and with it the shape of the tree that reduces
+K; so F is padded to a multiple of `block_k * MAX_TP` *for all TP sizes, TP=1 included*: every TP
+size then reduces the same padded K in the same tree, and shard r of n is a whole subtree.
+
+KV heads: with tp <= K each device holds K/tp kv heads; with tp > K (e.g. 8 devices, 4 kv heads)
+each kv head is replicated tp/K times so that device d holds the one head its H/tp query heads
+read, as real deployments do. The forward reads local head counts from weight shapes, so it runs
+unchanged on a shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdet.config import ModelConfig
+from jdet.params import weight_specs
+from sharding.mesh import MAX_TP, TP_AXIS, check_tp_size
+
+# Logical axes (jdet.params) that tensor parallelism splits. "vocab" is split only on lm_head: the
+# embedding is a row gather, replicated (a vocab-parallel gather would need an extra all-reduce).
+_SPLIT_AXES = frozenset({"heads", "kv_heads", "ffn", "o_in"})
+
+VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
+
+
+def tree_block_k(k_total: int, dtype: Any) -> int:
+    """The tree kernel's K tile for down_proj (a function of K and dtype, never of TP)."""
+    from pallas_kernels.tree_matmul import tree_plan
+
+    return tree_plan(k_total, jnp.dtype(dtype)).block_k
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_ffn(cfg: ModelConfig, dtype: Any, ffn_multiple: int | None = None) -> int:
+    """F after padding: a multiple of block_k * MAX_TP, identical for every TP size.
+
+    Then down_proj's K has a tile count divisible by MAX_TP, so the tree kernel's plan has
+    MAX_TP leaves and each of tp <= MAX_TP contiguous shards is a whole subtree.
+    """
+    m = ffn_multiple or tree_block_k(cfg.intermediate_size, dtype) * MAX_TP
+    return _round_up(cfg.intermediate_size, m)
+
+
+def padded_vocab(cfg: ModelConfig, vocab_multiple: int = VOCAB_MULTIPLE) -> int:
+    return _round_up(cfg.vocab_size, vocab_multiple)
+
+
+def check_heads(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError unless `tp` can split the query heads and serve every kv head."""
+    check_tp_size(tp)
+    H, K = cfg.num_heads, cfg.num_kv_heads
+    if H % tp:
+        raise ValueError(f"tp={tp} cannot split {H} query heads evenly; use a tp that divides {H}")
+    if tp <= K and K % tp:
+        raise ValueError(
+            f"tp={tp} cannot split {K} kv heads evenly; use a tp that divides {K} or a multiple "
+            f"of {K} (kv heads are then replicated)"
+        )
+    if tp > K and tp % K:
+        raise ValueError(
+            f"tp={tp} exceeds the {K} kv heads but is not a multiple of {K}, so the {H // tp} "
+            f"query heads of a device would span two kv heads; use a tp that divides {K} or is a "
+            f"multiple of it"
+        )
+
+
+def kv_heads_in_cache(cfg: ModelConfig, tp: int) -> int:
+    """Global kv-head count of the sharded cache: K, or tp when kv heads are replicated."""
+    check_heads(cfg, tp)
+    return max(cfg.num_kv_heads, tp)
+
+
+def pad_params(
+    params: dict,
+    cfg: ModelConfig,
+    *,
+    ffn_multiple: int | None = None,
+    vocab_multiple: int = VOCAB_MULTIPLE,
+) -> dict:
+    """Zero-pad FFN width and vocabulary (and untie lm_head) so every TP size <= MAX_TP splits them.
+
+    Idempotent, and independent of the TP size: call it for TP=1 too, so the down_proj tree is the
+    same one at every TP size. Returns a new dict; `params` is not modified.
+    """
+    out = dict(params)
+    layers = dict(params["layers"])
+    F = layers["w_gate"].shape[-1]
+    F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers["w_down"].dtype) * MAX_TP)
+    if F_pad != F:
+        pf = F_pad - F
+        layers["w_gate"] = jnp.pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_up"] = jnp.pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_down"] = jnp.pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
+    out["layers"] = layers
+    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
+    V = lm.shape[-1]
+    V_pad = _round_up(V, vocab_multiple)
+    out["lm_head"] = jnp.pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
+    return out
+
+
+def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
+    """Replicate kv heads (wk, wv, bk, bv) tp/K times when tp > K; identity otherwise."""
+    K, E = cfg.num_kv_heads, cfg.head_dim
+    r = kv_heads_in_cache(cfg, tp) // K
+    if r == 1:
+        return params
+    layers = dict(params["layers"])
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in layers:
+            w = layers[name]
+            lead = w.shape[:-1]
+            w = w.reshape(*lead, K, 1, E)
+            w = jnp.broadcast_to(w, (*lead, K, r, E)).reshape(*lead, K * r * E)
+            layers[name] = w
+    return {**params, "layers": layers}
+
+
+def _axes_by_name(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    axes = {spec.path[-1]: spec.axes for spec in weight_specs(cfg)}
+    axes["lm_head"] = (None, "vocab")
+    return axes
+
+
+def param_partition_specs(params: dict, cfg: ModelConfig) -> dict:
+    """A PartitionSpec for every leaf of `params` (stacked layer leaves get a leading None)."""
+    axes = _axes_by_name(cfg)
+
+    def spec(name: str, leaf: Any, per_layer: bool) -> P:
+        logical = axes.get(name)
+        if logical is None:
+            raise ValueError(f"no partition rule for weight {name!r}; add it to jdet.params")
+        split = tuple(
+            TP_AXIS if (a in _SPLIT_AXES or (a == "vocab" and name == "lm_head")) else None
+            for a in logical
+        )
+        full = ((None,) if per_layer else ()) + split
+        if len(full) != leaf.ndim:
+            raise ValueError(f"weight {name!r} has shape {leaf.shape}, expected rank {len(full)}")
+        return P(*full)
+
+    out = {k: spec(k, v, False) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: spec(k, v, True) for k, v in params["layers"].items()}
+    return out
+
+
+def kv_partition_spec() -> P:
+    """Spec of each of kv['k'], kv['v'] `[L, K, P, B, E]`: split on kv heads."""
+    return P(None, TP_AXIS, None, None, None)
+
+
+def kv_partition_specs(kv: dict) -> dict:
+    return {k: kv_partition_spec() for k in kv}
+
+
+def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )

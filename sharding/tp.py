@@ -1,0 +1,217 @@
+"""Tensor-parallel step and score: the model's forward under `shard_map` over the 'tp' axis.
+
+Per device: column-parallel projections produce its heads / FFN columns / vocab columns with the
+ordinary (BIO) matmul; each output column is reduced whole over K, so its bits do not depend on
+TP as long as the kernel's tile along N does not change with the shard width (true when every
+shard is >= 128 columns, as with head_dim 128 models; narrower shards get a narrower block_n,
+which on CPU changes the bits of the tile's dot).
+The two row-parallel projections (o_proj, down_proj) each produce an f32 partial over the device's
+contiguous K shard, combined across devices before the cast:
+  "tp"    partial = `tree_matmul_partial` (the exact subtree of shard r) and combine =
+          `tree_allreduce` (the upper levels of the same tree): bitwise the TP=1 tree_matmul.
+  "batch" partial = BIO matmul (sequential K) and combine = `lax.psum`: faster, not TP-invariant.
+  "none"  partial = XLA dot and combine = `lax.psum`: the baseline.
+Logits: each device computes its vocab columns; `all_gather` over vocab is a copy (exact), the
+padded columns are sliced off, and then every device runs the same sampling / log_softmax on the
+same full logits, so all outputs are replicated and identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdet.batch import StepBatch
+from jdet.config import ModelConfig
+from jdet.kv_cache import init_kv_cache
+from jdet.model import forward
+from jdet.ops import Ops, check_mode
+from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
+from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
+from sharding.specs import (
+    check_heads,
+    expand_kv_heads,
+    kv_heads_in_cache,
+    kv_partition_specs,
+    named,
+    pad_params,
+    param_partition_specs,
+)
+from sharding.tree_allreduce import tree_allreduce
+
+
+def make_tp_ops(ops_mode: str, num_shards: int) -> Ops:
+    """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS)."""
+    check_mode(ops_mode)
+    n = num_shards
+    if ops_mode == "tp":
+        from pallas_kernels.tree_matmul import tree_matmul_partial
+
+        def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+            # Every shard's subtree has the same shape, so the kernel needs no device index; a
+            # static 0 stands in for lax.axis_index (a tracer), which the kernel only validates.
+            return tree_matmul_partial(x, w, k_total=w.shape[0] * n, shard=0, num_shards=n)
+
+        row_reduce = functools.partial(tree_allreduce, axis_name=TP_AXIS)
+    else:
+        if ops_mode == "batch":
+            from pallas_kernels.matmul import matmul
+
+            def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+                return matmul(x, w, out_dtype=jnp.float32)
+        else:
+
+            def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+                return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+        def row_reduce(p: jax.Array) -> jax.Array:
+            return lax.psum(p, TP_AXIS)
+
+    return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce)
+
+
+def prepare_params(
+    params: dict, cfg: ModelConfig, tp: int, *, ffn_multiple: int | None = None
+) -> dict:
+    """Host-side layout for `tp` devices: pad (TP-independent) then replicate kv heads if needed."""
+    check_heads(cfg, tp)
+    return expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
+
+
+def shard_params(
+    params: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, ffn_multiple: int | None = None
+) -> dict:
+    """Pad, replicate kv heads as the mesh needs, and place every weight by its partition spec."""
+    p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple)
+    return jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
+
+
+def init_tp_kv_cache(
+    cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    num_pages: int,
+    page_size: int,
+    dtype: Any = jnp.bfloat16,
+) -> dict:
+    """A KV cache `[L, K', P, B, E]` split over kv heads (K' = max(K, tp): replicated heads)."""
+    k = kv_heads_in_cache(cfg, tp_size(mesh))
+    shardings = {n: NamedSharding(mesh, P(None, TP_AXIS)) for n in ("k", "v")}
+    make = jax.jit(
+        functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, num_kv_heads=k),
+        out_shardings=shardings,
+    )
+    return make()
+
+
+def _sharded_logits(cfg: ModelConfig, ops: Ops) -> Callable:
+    """Per-device body: forward on the shard, then the full (unpadded) logits on every device."""
+
+    def body(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
+        kv, logits = forward(params, cfg, kv, batch, ops)  # [N, V_pad / tp]
+        logits = lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
+        return kv, logits[:, : cfg.vocab_size]
+
+    return body
+
+
+def _wrap(
+    cfg: ModelConfig, mesh: jax.sharding.Mesh, params: dict, kv: dict, body: Callable, n_rest: int
+) -> Callable:
+    in_specs = (param_partition_specs(params, cfg), kv_partition_specs(kv), P()) + (P(),) * n_rest
+    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(kv_partition_specs(kv), P()))
+
+
+def make_tp_forward(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
+    """forward(params, kv, batch) -> (kv, f32 logits [N, V]) on `mesh`; jitted, kv donated."""
+    check_heads(cfg, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    body = _sharded_logits(cfg, ops)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def fwd(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
+        return _wrap(cfg, mesh, params, kv, body, 0)(params, kv, batch)
+
+    return fwd
+
+
+def make_tp_step(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
+    """step(params, kv, batch, sampling) -> (kv, SampleOut), as jdet.step.make_step_fn, on `mesh`.
+
+    `params` must come from `shard_params` (padded, kv heads replicated, placed) and `kv` from
+    `init_tp_kv_cache`.
+    """
+    check_heads(cfg, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    logits_of = _sharded_logits(cfg, ops)
+
+    def body(
+        params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
+    ) -> tuple[dict, SampleOut]:
+        kv, logits = logits_of(params, kv, batch)
+        return kv, sample(logits, sampling, ops)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(
+        params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
+    ) -> tuple[dict, SampleOut]:
+        return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, sampling)
+
+    return step
+
+
+def make_tp_score(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
+    """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`."""
+    check_heads(cfg, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    logits_of = _sharded_logits(cfg, ops)
+
+    def body(
+        params: dict, kv: dict, batch: StepBatch, targets: jax.Array
+    ) -> tuple[dict, jax.Array]:
+        kv, logits = logits_of(params, kv, batch)
+        return kv, token_logprobs(logits, targets, ops)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def score(
+        params: dict, kv: dict, batch: StepBatch, targets: jax.Array
+    ) -> tuple[dict, jax.Array]:
+        return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, targets)
+
+    return score
+
+
+@dataclasses.dataclass(frozen=True)
+class TPRuntime:
+    """Everything a caller (jdet.LLM, the engine) needs to run a model on `tp` devices.
+
+    `step`/`score` have the signatures of jdet.step's make_step_fn/make_score_fn, and `init_kv`
+    that of init_kv_cache minus cfg. Use it for TP=1 too in "tp" mode: the padded FFN (see
+    sharding/specs.py) is what makes TP=1 and TP=N perform the same down_proj tree.
+    """
+
+    mesh: jax.sharding.Mesh
+    params: dict
+    step: Callable
+    score: Callable
+    init_kv: Callable
+
+
+def make_tp_runtime(params: dict, cfg: ModelConfig, tp: int, invariance: str = "tp") -> TPRuntime:
+    """Mesh of the first `tp` devices, weights padded and placed, jitted step and score."""
+    mesh = make_tp_mesh(tp)
+    check_heads(cfg, tp)
+    return TPRuntime(
+        mesh=mesh,
+        params=shard_params(params, cfg, mesh),
+        step=make_tp_step(cfg, invariance, mesh),
+        score=make_tp_score(cfg, invariance, mesh),
+        init_kv=functools.partial(init_tp_kv_cache, cfg, mesh),
+    )
