@@ -46,48 +46,35 @@ class LLM:
             raise ValueError(f"tp must be a power of two >= 1, got {tp}")
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} but only {len(jax.devices())} devices are visible")
-        if page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size}")
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        window = self.cfg.sliding_window
+        if window and window < self.cfg.max_position_embeddings:
+            if max_model_len is not None and max_model_len > window:
+                raise ValueError(
+                    f"max_model_len={max_model_len} exceeds the sliding window ({window}), which "
+                    "jdet does not apply; use max_model_len <= the window"
+                )
+            max_model_len = max_model_len or window
+        from serving.engine import Engine
+
+        # The engine validates the remaining settings and allocates the KV cache now, so a bad
+        # configuration fails here rather than at the first request.
+        self.engine = Engine(
+            self.model,
+            invariance=self.invariance,
+            tp=tp,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            enable_prefix_caching=enable_prefix_caching,
+            # "tp" runs on the sharded runtime even at tp=1, so TP=1 and TP=N share one plan
+            sharded=self.invariance == "tp",
+        )
         self.tp = tp
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        limit = self.cfg.max_position_embeddings
-        if self.cfg.sliding_window:
-            limit = min(limit, self.cfg.sliding_window)
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's limit of {limit} "
-                "(max_position_embeddings, or the sliding window, which jdet does not apply)"
-            )
-        self.max_model_len = max_model_len or limit
         self.page_size = page_size
-        self.num_pages = num_pages
-        self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len = self.engine.max_model_len
         self.ops = Ops(self.invariance)
-        self._engine: Any = None
-
-    @property
-    def engine(self) -> Any:
-        """The serving engine, built on first use (it allocates the KV cache)."""
-        if self._engine is None:
-            from serving.engine import Engine
-
-            self._engine = Engine(
-                self.model,
-                invariance=self.invariance,
-                tp=self.tp,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-                page_size=self.page_size,
-                num_pages=self.num_pages,
-                enable_prefix_caching=self.enable_prefix_caching,
-                # "tp" runs on the sharded runtime even at tp=1, so TP=1 and TP=N share one plan
-                sharded=self.invariance == "tp",
-            )
-        return self._engine
 
     # -- input handling -----------------------------------------------------------------------
     @property
