@@ -40,7 +40,8 @@ from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map
 from sharding.specs import named, param_partition_specs
 from sharding.tp import init_tp_kv_cache, make_tp_step, prepare_params
 from sharding.tree_allreduce import (
-    GATHER_MAX_BYTES,
+    GATHER_MAX_BYTES_TP2,
+    GATHER_MAX_TOTAL_BYTES,
     auto_schedule,
     tree_allreduce,
     tree_sum_reference,
@@ -169,7 +170,7 @@ def allreduce_bench(tps, dims, tokens, budget_s: float) -> list[dict]:
                         r[f"{name}_busbw_GBps"] = round(2 * (tp - 1) / tp * nbytes / sec / 1e9, 1)
                     except Exception:  # noqa: BLE001
                         r[f"{name}_error"] = traceback.format_exc()[-800:]
-                auto = auto_schedule(nbytes)
+                auto = auto_schedule(nbytes, tp)
                 if f"{auto}_us" in r and "psum_us" in r:
                     r["auto"] = auto
                     r["auto_over_psum"] = round(r[f"{auto}_us"] / r["psum_us"], 3)
@@ -258,7 +259,10 @@ def run(out_dir: str, small: bool = False, budget_s: float | None = None) -> dic
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
-        "gather_max_bytes": GATHER_MAX_BYTES,
+        "auto_policy": {
+            "gather_max_bytes_tp2": GATHER_MAX_BYTES_TP2,
+            "gather_max_total_bytes": GATHER_MAX_TOTAL_BYTES,
+        },
         "repeat": REPEAT,
     }
     out = Path(out_dir)

@@ -37,10 +37,6 @@ class TileConfig:
     num_stages: int = 3
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _is_16bit(dtype: jnp.dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2
 
@@ -49,12 +45,15 @@ def tile_config(k: int, n: int, dtype: jnp.dtype) -> TileConfig:
     """The portable kernel's tiles for a (K, N) weight of `dtype`.
 
     16-bit inputs use 64x64 MMA steps (block_m=64 keeps the wasted rows of a padded decode step
-    cheap); f32 uses 32-wide K steps at full (IEEE) precision. block_n is 128, or the next power
-    of two of a narrow N. K only matters through `tree_plan`.
+    cheap); f32 uses 32-wide K steps at full (IEEE) precision. block_n is always 128 (a narrow N
+    is padded with zero columns): a tensor-parallel shard of a column-parallel weight then runs
+    the very same MMA shape as the whole weight, whatever the shard width — with a narrower tile
+    the CPU's dot rounded differently and TP=1 and TP=8 disagreed on small models.
+    K only matters through `tree_plan`.
     """
-    del k  # K does not change the portable tile shape; kept so callers state the contract.
+    del k, n  # neither changes the portable tile shape; kept so callers state the contract.
     bk = 64 if _is_16bit(dtype) else 32
-    bn = 128 if n >= 128 else max(16, _next_pow2(n))
+    bn = 128
     return TileConfig(block_m=64, block_n=bn, block_k=bk)
 
 

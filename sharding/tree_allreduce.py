@@ -18,7 +18,7 @@ Four schedules compute that one expression; they differ only in traffic, never i
   latencies; n times the bytes, so only for small (decode) activations.
 - "exchange" (recursive doubling): for d = 1, 2, 4, ... every device swaps its whole partial with
   partner `rank ^ d` (`lax.ppermute`) and both add lower-block-first. log2(n) messages of the full
-  size; no n-fold buffer, so it suits mid-sized activations.
+  size; at n = 2 a single swap, the best schedule for large activations.
 - "halving" (recursive halving, then recursive doubling; Rabenseifner): at distance d a device
   sends half of its current rows to `rank ^ d` and adds the half it keeps (lower-block-first),
   so after log2(n) steps it owns 1/n of the fully reduced buffer; the same pairs then swap rows
@@ -44,11 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# "auto": per-device payloads up to GATHER_MAX_BYTES (decode activations: [T<=16, D] f32 is at
-# most 512 KiB at D=8192) are latency-bound and take one all-gather; larger (prefill) ones are
-# bandwidth-bound and take the reduce-scatter schedule. Tuned from benchmarks/tp_bench.py.
-GATHER_MAX_BYTES = 512 << 10
-LARGE_ALGORITHM = "halving_ag"
+# "auto" (measured on 4x H200, NVLink, jax 0.11.2: benchmarks/tp_bench.py): one all-gather is
+# fastest while the gathered n * bytes stays small (decode, and prefill up to ~4 MiB per device at
+# TP=4); above that, TP=2 is best served by one full swap ("exchange") and TP>=4 by the bandwidth-
+# optimal reduce-scatter + NCCL all-gather ("halving_ag"). TP=8 was not measured (no 8-GPU
+# machine was lent): it follows the TP=4 rule.
+GATHER_MAX_BYTES_TP2 = 256 << 10  # per device
+GATHER_MAX_TOTAL_BYTES = 16 << 20  # n * per-device bytes, TP >= 4
 
 ALGORITHMS = ("auto", "gather", "exchange", "halving", "halving_ag")
 
@@ -127,9 +129,11 @@ def _halving(x: jax.Array, axis_name: str, n: int, *, nccl_gather: bool) -> jax.
     return buf.reshape(-1)[:size].reshape(shape)
 
 
-def auto_schedule(bytes_per_device: int) -> str:
-    """The schedule "auto" runs for a payload of this size (a static shape, never data)."""
-    return "gather" if bytes_per_device <= GATHER_MAX_BYTES else LARGE_ALGORITHM
+def auto_schedule(bytes_per_device: int, n: int) -> str:
+    """The schedule "auto" runs for n devices and a payload of this size (static, never data)."""
+    if n == 2:
+        return "gather" if bytes_per_device <= GATHER_MAX_BYTES_TP2 else "exchange"
+    return "gather" if n * bytes_per_device <= GATHER_MAX_TOTAL_BYTES else "halving_ag"
 
 
 def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> jax.Array:
@@ -145,7 +149,7 @@ def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> 
     if n == 1:
         return x
     if algorithm == "auto":
-        algorithm = auto_schedule(x.size * x.dtype.itemsize)
+        algorithm = auto_schedule(x.size * x.dtype.itemsize, n)
     if algorithm == "gather":
         return _gather(x, axis_name, n)
     if algorithm == "exchange":

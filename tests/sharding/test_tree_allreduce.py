@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import shard_map
-from sharding.tree_allreduce import tree_allreduce, tree_sum_reference
+from sharding.tree_allreduce import auto_schedule, tree_allreduce, tree_sum_reference
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 
@@ -76,3 +76,13 @@ def test_psum_negative_control_records_whether_xla_order_differs_from_the_tree()
     if np.array_equal(out[0], ref):
         pytest.xfail(f"psum on {jax.default_backend()} happens to sum in tree order here")
     assert not np.array_equal(out[0], ref)
+
+
+@pytest.mark.parametrize(("n", "rows", "expected"), [(2, 128, "exchange"), (4, 1100, "halving_ag")])
+def test_auto_schedule_for_large_payloads_keeps_the_tree_bits(n, rows, expected):
+    rng = np.random.default_rng(n)
+    x = _spread(rng, (n, rows, 1024))  # 512 KiB / 4.3 MiB per device: past the gather limits
+    assert auto_schedule(x[0].nbytes, n) == expected
+    out = _run(lambda a: tree_allreduce(a, "tp"), x)
+    ref = tree_sum_reference(list(x))
+    assert all(np.array_equal(out[r], ref) for r in range(n))
