@@ -232,6 +232,7 @@ def poisson(model: Any, a: argparse.Namespace) -> list[dict]:
                 scheduling=policy,
                 max_num_batched_tokens=budget,
                 min_tokens_bucket=16,
+                max_model_len=a.poisson_max_model_len,
             )
             rng = np.random.default_rng(int(rate * 1000))
             arrivals = np.cumsum(rng.exponential(1.0 / rate, len(work)))
