@@ -68,8 +68,6 @@ class LLM:
             page_size=page_size,
             num_pages=num_pages,
             enable_prefix_caching=enable_prefix_caching,
-            # "tp" runs on the sharded runtime even at tp=1, so TP=1 and TP=N share one plan
-            sharded=self.invariance == "tp",
         )
         self.tp = tp
         self.page_size = page_size

@@ -110,7 +110,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
         if sharded is None:
-            sharded = tp > 1
+            # "tp" mode runs on the sharded runtime even at tp=1 (padded FFN/vocab, the same tree),
+            # so TP=1 and TP=N servers give the same bits.
+            sharded = tp > 1 or invariance == "tp"
         if sharded and step_fn is None:
             # tensor parallel: weights padded and placed on a mesh of `tp` devices, the KV cache
             # split over kv heads, step/score under shard_map (sharding/tp.py)
