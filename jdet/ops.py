@@ -94,7 +94,19 @@ class Ops:
                 partition_size=self.attn_partition,
                 layer=layer,
             )
-        return xla_paged_attention(q, kv["k"], kv["v"], layer, batch, scale)
+        from pallas_kernels.paged_attention import paged_attention_xla
+
+        return paged_attention_xla(
+            q,
+            kv["k"],
+            kv["v"],
+            batch.page_table,
+            batch.context_lens,
+            batch.query_start,
+            batch.positions,
+            scale=scale,
+            layer=layer,
+        )
 
     # -- reductions over the vocabulary -----------------------------------------------------------
     def log_softmax(self, logits: jax.Array) -> jax.Array:
@@ -103,52 +115,3 @@ class Ops:
 
             return log_softmax(logits)
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-
-def seq_of_token(query_start: jax.Array, T: int) -> jax.Array:
-    """Sequence index of every token row (padding rows get S, one past the last)."""
-    return jnp.searchsorted(query_start[1:], jnp.arange(T, dtype=jnp.int32), side="right")
-
-
-def xla_paged_attention(
-    q: jax.Array,
-    k_all: jax.Array,
-    v_all: jax.Array,
-    layer: jax.Array,
-    batch: Any,
-    scale: float,
-    block: int = 32,
-) -> jax.Array:
-    """The "none" baseline: each token gathers its sequence's pages and runs plain XLA softmax
-    attention over the whole context at once (one-shot reductions whose order XLA chooses).
-    Tokens are processed in blocks of `block` rows to bound the gathered K/V's memory.
-    """
-    T, H, E = q.shape
-    _, K, P, B, _ = k_all.shape
-    G = H // K
-    S, Pmax = batch.page_table.shape
-    seq = jnp.minimum(seq_of_token(batch.query_start, T), S - 1)
-    valid_row = jnp.arange(T) < batch.query_start[-1]
-    Tp = -(-T // block) * block
-    pad = Tp - T
-
-    def padt(a: jax.Array) -> jax.Array:
-        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-
-    qb = padt(q).reshape(Tp // block, block, K, G, E)
-    sb = padt(seq).reshape(Tp // block, block)
-    pb = padt(batch.positions).reshape(Tp // block, block)
-
-    def one(args: tuple) -> jax.Array:
-        qq, ss, pp = args
-        pages = batch.page_table[ss]  # [b, Pmax]
-        k = k_all[layer][:, pages].reshape(K, block, Pmax * B, E)  # [K, b, C, E]
-        v = v_all[layer][:, pages].reshape(K, block, Pmax * B, E)
-        s = jnp.einsum("bkge,kbce->bkgc", qq.astype(jnp.float32), k.astype(jnp.float32)) * scale
-        mask = jnp.arange(Pmax * B)[None, :] <= pp[:, None]  # [b, C]
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        return jnp.einsum("bkgc,kbce->bkge", p, v.astype(jnp.float32))
-
-    out = jax.lax.map(one, (qb, sb, pb)).reshape(Tp, H, E)[:T]
-    return jnp.where(valid_row[:, None, None], out, 0).astype(q.dtype)

@@ -596,9 +596,52 @@ def paged_attention_xla(
     *,
     scale: float,
     partition_size: int = 512,
+    layer: jax.Array | None = None,
+    block: int = 32,
 ) -> jax.Array:
-    """Plain XLA attention in q.dtype (one softmax over the whole context): the `invariance="none"`
-    baseline and the negative control of the invariance tests. Not batch/chunk invariant."""
+    """Plain XLA attention (one softmax over the whole context, bf16/f32 inputs with f32
+    accumulation): the `invariance="none"` baseline and the negative control of the invariance
+    tests. Not batch/chunk invariant: XLA chooses its own reduction order.
+
+    XLA has no paged attention, so each token gathers its sequence's pages; tokens go in blocks of
+    `block` rows (lax.map) to bound the gathered K/V's memory. With `layer`, the caches are the
+    stacked [L, K, P, B, E] cache, gathered from in place.
+    """
     del partition_size
-    return _dense_attention(q, k_cache, v_cache, page_table, context_lens, query_start,
-                            positions, scale, q.dtype)  # fmt: skip
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    t, h, e = q.shape
+    kh, _, b, _ = k_cache.shape
+    g = h // kh
+    s, pmax = page_table.shape
+    c = pmax * b
+    seq, ok = _token_seq(query_start, t)
+    lim = jnp.minimum(positions.astype(jnp.int32) + 1, context_lens.astype(jnp.int32)[seq])
+    lim = jnp.where(ok, lim, 0)
+    tp = -(-t // block) * block
+
+    def rows(a: jax.Array) -> jax.Array:
+        a = jnp.pad(a, [(0, tp - t)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(tp // block, block, *a.shape[1:])
+
+    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def one(args):
+        qq, ss, ll = args  # [bl, K, G, E], [bl], [bl]
+        pages = jnp.clip(page_table[ss], 0, k_cache.shape[1] - 1)  # [bl, Pmax]
+        k = k_cache[:, pages].reshape(kh, block, c, e)
+        v = v_cache[:, pages].reshape(kh, block, c, e)
+        sc = jnp.einsum("bkge,kbce->bkgc", qq, k, precision=prec,
+                        preferred_element_type=jnp.float32) * scale  # fmt: skip
+        mask = jnp.arange(c)[None, :] < ll[:, None]
+        sc = jnp.where(mask[:, None, None, :], sc, -jnp.inf)
+        mx = jnp.max(sc, axis=-1, keepdims=True)
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(mx), mx, 0.0))
+        den = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(den > 0, den, 1.0)
+        return jnp.einsum("bkgc,kbce->bkge", p.astype(v.dtype), v, precision=prec,
+                          preferred_element_type=jnp.float32)  # fmt: skip
+
+    out = lax.map(one, (rows(q.reshape(t, kh, g, e)), rows(seq), rows(lim)))
+    out = out.reshape(tp, h, e)[:t]
+    return jnp.where(ok[:, None, None], out, 0.0).astype(q.dtype)
