@@ -49,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
     _engine_args(s)
-    b = sub.add_parser("bench", help="serving benchmarks (writes JSON)")
+    b = sub.add_parser(
+        "bench", help="serving benchmarks (writes JSON); other flags go to benchmarks.serve_bench"
+    )
     b.add_argument("--out", default="out")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
+    a, rest = ap.parse_known_args(argv)
+    if rest and a.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
 
     try:
         if a.cmd == "generate":
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "bench":
             from benchmarks.serve_bench import main as bench_main
 
-            return int(bench_main(["--out", a.out, *a.rest]) or 0)
+            return int(bench_main(["--out", a.out, *rest]) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         print(f"jdet: error: {e}", file=sys.stderr)
         return 2

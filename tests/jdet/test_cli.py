@@ -1,0 +1,23 @@
+"""The CLI: `jdet generate` streams the embedded model's text; bad flags and inputs are named."""
+
+import pytest
+
+from jdet.cli import main
+
+
+def test_generate_streams_the_prompt_and_its_continuation(capsys):
+    rc = main(["generate", "Return a list of", "--max-tokens", "6", "--invariance", "none"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("Return a list of") and len(out.strip()) > len("Return a list of")
+
+
+def test_unknown_flag_is_an_error():
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--bogus"])
+
+
+def test_missing_model_directory_is_reported(tmp_path, capsys):
+    rc = main(["generate", "x", "--model", str(tmp_path / "nope"), "--invariance", "none"])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
