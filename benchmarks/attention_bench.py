@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.timing import median_seconds
 from pallas_kernels.paged_attention import paged_attention
 
 DECODE_CASES = [(1, 32, 8, 32768), (16, 32, 1, 4096), (64, 32, 8, 4096), (256, 32, 8, 1024)]
@@ -31,17 +30,7 @@ PAGE = 16
 
 def _time(fn, *args, iters: int = 20, reps: int = 3) -> float:
     """Median over `reps` of the mean time of `iters` back-to-back async dispatches (seconds)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    return median_seconds(fn, *args, iters=iters, reps=reps, warmup=2)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.timing import median_seconds
 
 SHAPES = {  # name: (K, N)
     "qkv": (4096, 6144),
@@ -28,20 +28,8 @@ M_SIZES = (1, 16, 128, 1024, 8192)
 
 
 def _time(fn, *args, iters: int = 20, reps: int = 5) -> float:
-    """Median seconds per call over `reps` batches of `iters` calls (after warm-up).
-
-    Small calls are dominated by host dispatch, so the calls of a batch are queued back to back
-    and waited for once; the batch median filters out the noise of a shared machine.
-    """
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(outs)
-        samples.append((time.perf_counter() - t0) / iters)
-        del outs
-    return statistics.median(samples)
+    """Median seconds per call (benchmarks.timing); every output of a batch stays alive."""
+    return median_seconds(fn, *args, iters=iters, reps=reps, keep_outputs=True)
 
 
 def _time_op(op, a, b, out_bytes: int) -> float:

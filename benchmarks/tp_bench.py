@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.timing import median_seconds
 from jdet.batch import build_batch
 from jdet.config import ModelConfig
 from jdet.params import abstract_params
@@ -69,16 +70,7 @@ QWEN3_8B = ModelConfig(
 
 def _time(fn, *args, iters: int = 5, reps: int = 3) -> float:
     """Median over `reps` of the mean time of `iters` back-to-back dispatches (seconds)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    return median_seconds(fn, *args, iters=iters, reps=reps)
 
 
 def _chain(op, mesh, repeat: int):
