@@ -97,6 +97,10 @@ def make_engine(model: Any, mode: str, a: argparse.Namespace, warm: bool = True,
     )  # fmt: skip
     settings.update(kw)
     eng = Engine(model, **settings)
+    if a.num_pages is None:
+        # Pin the pool to the first engine's size: free memory drifts a little between engines, and
+        # a different page count is a different cache shape, i.e. a fresh compile of every bucket.
+        a.num_pages = eng.block_manager.num_pages
     eng.warmup_s = eng.warmup() if warm else 0.0
     return eng
 
@@ -334,6 +338,12 @@ def run(out_dir: str = "out", argv: list[str] | None = None, **overrides: Any) -
         "dtype": a.dtype,
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
     }
+    os.makedirs(out_dir, exist_ok=True)
+
+    def save() -> None:  # after every part, so a run cut short keeps what it measured
+        with open(os.path.join(out_dir, f"serve_bench_{a.shape}.json"), "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+
     t0 = time.perf_counter()
     need = max(a.max_model_len, a.poisson_max_model_len, a.decode_ctx + a.decode_steps + 16)
     model = random_model(a.shape, a.dtype, max_len=max(need, 4096))
@@ -346,21 +356,21 @@ def run(out_dir: str = "out", argv: list[str] | None = None, **overrides: Any) -
         except Exception:  # noqa: BLE001 - keep the other parts
             res["decode_b1_error"] = traceback.format_exc()[-3000:]
             print(res["decode_b1_error"], file=sys.stderr)
+        save()
     if "offline" in parts:
         try:
             res["offline"] = offline(model, a)
         except Exception:  # noqa: BLE001
             res["offline_error"] = traceback.format_exc()[-3000:]
             print(res["offline_error"], file=sys.stderr)
+        save()
     if "poisson" in parts:
         try:
             res["poisson"] = poisson(model, a)
         except Exception:  # noqa: BLE001
             res["poisson_error"] = traceback.format_exc()[-3000:]
             print(res["poisson_error"], file=sys.stderr)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"serve_bench_{a.shape}.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
+    save()
     return res
 
 

@@ -142,6 +142,7 @@ def make_tp_forward(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) ->
     return fwd
 
 
+@functools.cache  # one compile cache per (config, mode, mesh): engines share it
 def make_tp_step(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
     """step(params, kv, batch, sampling) -> (kv, SampleOut), as jdet.step.make_step_fn, on `mesh`.
 
@@ -167,6 +168,7 @@ def make_tp_step(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Ca
     return step
 
 
+@functools.cache  # one compile cache per (config, mode, mesh): engines share it
 def make_tp_score(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
     """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`."""
     check_heads(cfg, tp_size(mesh))

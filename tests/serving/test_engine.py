@@ -197,3 +197,12 @@ def test_stream_backend_yields_deltas_of_the_generate_text_and_frees_pages_when_
     next(it)
     it.close()  # the consumer walks away
     assert not eng.has_unfinished() and eng.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize("mode", ["tp", "batch", "none"])
+def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
+    """A second engine (or LLM) on the same model must not recompile every token bucket: the
+    "tp" runtime once built a fresh jitted step per engine, costing minutes per engine on a GPU."""
+    a, b = make_engine(serving_model, mode), make_engine(serving_model, mode, budget=16)
+    assert a.runner.step_fn is b.runner.step_fn
+    assert a.runner.score_step() is b.runner.score_step()
