@@ -5,12 +5,15 @@ a TMA -> SMEM pipeline over K as deep as SMEM allows (4-6 stages), f32 wgmma acc
 registers, tiled epilogue through SMEM and TMA stores. Written after jax's
 `ops/gpu/hopper_matmul_mgpu.py` (same pipeline/epilogue API), without clusters.
 
-Reduction plan. Tiles are a function of N (and the kernel kind) only; M is zero padded to the
-CTA rows. Every wgmma step is 64 wide in K and accumulates into an f32 register accumulator.
+Reduction plan. The K blocking (64-wide wgmma steps into an f32 accumulator) is a function of K
+only; the CTA shape is a function of N and, for decode, of whether M <= 64 (`mosaic_config`), which
+moves work between CTAs but never changes an element's arithmetic; M is zero padded to the CTA
+rows. Every wgmma step is 64 wide in K and accumulates into an f32 register accumulator.
 Which SM computes a tile (the persistent schedule) varies with M, the arithmetic of a tile does not,
 so row i is bitwise the same for any M.
 - matmul (BIO): CTA 128 x 256 when N % 256 == 0, else 128 x 128 (N % 128 == 0 required),
-  warpgroups side by side along N; one sequential K range = all of K per output tile.
+  64 x 128 when M <= 64, warpgroups side by side along N; one sequential K range = all of K per
+  output tile.
 - tree_matmul (TBIK, `tree_plan` leaves of k_first tiles): CTA 128x128, warpgroups stacked along M
   (64x128 f32 accumulator each). A work item is (leaf group, m tile, n tile); a group of `subtree`
   consecutive leaves is reduced in registers: each leaf accumulates its k_first steps sequentially
@@ -79,12 +82,34 @@ def _stages(cta_m: int, cta_n: int, tile_m: int, tile_n: int, out_dtype) -> int:
     return int(min(6, (SMEM_BUDGET - epilogue) // stage))
 
 
-def mosaic_config(n: int, out_dtype, cta_n: int | None = None) -> MosaicConfig:
-    """BIO tile plan for an N-wide output: never a function of M.
+SMALL_M_ROWS = 64  # M at or below this runs on 64-row CTAs (see mosaic_config)
+SMALL_M_TILES = True  # benchmarks switch it off to measure what it buys
+
+
+def mosaic_config(
+    n: int, out_dtype, cta_n: int | None = None, m: int | None = None
+) -> MosaicConfig:
+    """BIO tile plan for an N-wide output.
 
     CTA 128 x cta_n with the two warpgroups side by side along N; cta_n = 256 when N % 256 == 0
     (else 128), `cta_n` overrides it for tuning. Stages fill SMEM (4 at 256, 6 at 128).
+
+    Decode (M <= SMALL_M_ROWS): a CTA of 64 rows, 128 columns (one m64 wgmma per warpgroup per
+    K step instead of two, twice the CTAs along N). This is the one place M enters, and it cannot
+    change a bit: the arithmetic of an output element is the same wgmma k-steps over the same
+    64-wide K blocks into an f32 accumulator, whichever CTA shape holds it -- only how many rows
+    and columns one CTA computes at once changes. The GPU tests check rows against the 128-row
+    plan at every M (tests/pallas_kernels/test_matmul.py) and benchmarks/tile_probe.py checks
+    every candidate shape. A 128-row CTA at M = 16 spends 7/8 of its tensor-core time on zero
+    rows; with 24 CTAs for N = 6144 that, not HBM, bounded the decode matmul.
     """
+    if m is not None and SMALL_M_TILES and m <= SMALL_M_ROWS and cta_n is None:
+        return MosaicConfig(
+            tile_m=64,
+            tile_n=64,
+            tile_k=BLOCK_K,
+            max_concurrent_steps=_stages(64, 128, 64, 64, out_dtype),
+        )
     if cta_n is None:
         cta_n = 256 if n % 256 == 0 else 128
     tile_n = cta_n // 2
@@ -99,14 +124,28 @@ TREE_TILE_N = 128
 
 
 def tree_config(
-    subtree: int = TREE_SUBTREE, tile_n: int = TREE_TILE_N, out_dtype=jnp.float32, wide=False
+    subtree: int = TREE_SUBTREE,
+    tile_n: int = TREE_TILE_N,
+    out_dtype=jnp.float32,
+    wide=False,
+    small=False,
 ) -> MosaicConfig:
     """Tile plan of the tree kernel (N % 128 == 0 is all it needs).
 
     Narrow: CTA 128 x tile_n, warpgroups stacked along M (64 x tile_n accumulators). Wide: CTA
     128 x 2*tile_n like the BIO kernel, warpgroups side by side along N (128 x tile_n accumulators,
-    the register partials then spill between leaf ends).
+    the register partials then spill between leaf ends). Small (decode, M <= 64): CTA 64 x tile_n,
+    warpgroups side by side along N (64 x tile_n/2 accumulators): no warpgroup on zero rows.
     """
+    if small:
+        return MosaicConfig(
+            tile_m=64,
+            tile_n=tile_n // 2,
+            tile_k=BLOCK_K,
+            max_concurrent_steps=_stages(64, tile_n, 64, tile_n // 2, out_dtype),
+            wg_split="N",
+            subtree=subtree,
+        )
     if wide:
         return MosaicConfig(
             tile_m=128,
@@ -296,38 +335,38 @@ def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: 
 def matmul(a: jax.Array, b: jax.Array, out_dtype, cta_n: int | None = None) -> jax.Array:
     """BIO matmul on Hopper: one sequential K range per output tile."""
     m = a.shape[0]
-    cfg = mosaic_config(b.shape[1], jnp.dtype(out_dtype), cta_n)
+    cfg = mosaic_config(b.shape[1], jnp.dtype(out_dtype), cta_n, m=m)
     return _leaf_products(a, b, jnp.dtype(out_dtype), 1, cfg)[0, :m]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("out_dtype", "num_leaves", "subtree", "tile_n", "wide")
+    jax.jit, static_argnames=("out_dtype", "num_leaves", "subtree", "tile_n", "wide", "small")
 )
-def _tree(a, b, out_dtype, num_leaves: int, subtree: int, tile_n: int, wide: bool):
+def _tree(a, b, out_dtype, num_leaves: int, subtree: int, tile_n: int, wide: bool, small: bool):
     from pallas_kernels.tree_matmul import combine_tree
 
     m = a.shape[0]
     if min(subtree, num_leaves) == num_leaves:  # the whole tree in registers: cast in epilogue
-        cfg = tree_config(num_leaves, tile_n, out_dtype, wide)
+        cfg = tree_config(num_leaves, tile_n, out_dtype, wide, small)
         return _leaf_products(a, b, out_dtype, num_leaves, cfg)[0, :m]
-    cfg = tree_config(subtree, tile_n, jnp.float32, wide)
+    cfg = tree_config(subtree, tile_n, jnp.float32, wide, small)
     parts = _leaf_products(a, b, jnp.dtype(jnp.float32), num_leaves, cfg)
     return combine_tree([parts[j, :m] for j in range(parts.shape[0])]).astype(out_dtype)
 
 
-def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool]:
-    """(subtree, wide) for an M x N product: how the fixed tree is spread over work items.
+def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool, bool]:
+    """(subtree, wide, small) for an M x N product: how the fixed tree is spread over work items.
 
     This is the one place M enters, and it cannot change a bit: every strategy performs the same
     f32 additions in the same order (tests/pallas_kernels/test_tree_matmul.py checks it on the
     GPU). When whole-tree work items fill the machine, the whole tree stays in
     registers (no f32 partials in HBM); otherwise groups of 4 leaves run as separate work items
-    (split-K parallelism for decode) and XLA adds the group results.
+    (split-K parallelism for decode) and XLA adds the group results; at M <= 64 on 64-row CTAs.
     """
     tiles = pl.cdiv(m, 128) * (n // 128)  # whole-tree work items of the narrow config
     if tiles >= _num_sms():
-        return num_leaves, TREE_WIDE
-    return min(4, num_leaves), False
+        return num_leaves, TREE_WIDE, False
+    return min(4, num_leaves), False, SMALL_M_TILES and m <= SMALL_M_ROWS
 
 
 TREE_WIDE = False
@@ -343,6 +382,7 @@ def tree_matmul(
     subtree: int | None = None,
     tile_n: int = TREE_TILE_N,
     wide: bool = False,
+    small: bool = False,
 ):
     """TBIK subtree over a's K columns (num_leaves leaves of the plan of k_total) on Hopper.
 
@@ -351,5 +391,5 @@ def tree_matmul(
     """
     del k_total  # the leaf width is a.shape[1] / num_leaves == the plan's leaf_k
     if subtree is None:
-        subtree, wide = tree_strategy(a.shape[0], b.shape[1], num_leaves)
-    return _tree(a, b, jnp.dtype(out_dtype), num_leaves, subtree, tile_n, wide)
+        subtree, wide, small = tree_strategy(a.shape[0], b.shape[1], num_leaves)
+    return _tree(a, b, jnp.dtype(out_dtype), num_leaves, subtree, tile_n, wide, small)

@@ -133,10 +133,19 @@ def test_gpu_mosaic_tree_strategies_give_identical_bits():
         outs = [
             np.asarray(
                 mm.tree_matmul(
-                    a[:m], b, jnp.float32, k_total=k, num_leaves=leaves, subtree=s, wide=w
+                    a[:m], b, jnp.float32, k_total=k, num_leaves=leaves, subtree=s, wide=w, small=sm
                 )
             )
-            for s, w in ((1, False), (2, False), (4, False), (8, False), (8, True), (2, True))
+            for s, w, sm in (
+                (1, False, False),
+                (2, False, False),
+                (4, False, False),
+                (8, False, False),
+                (8, True, False),
+                (2, True, False),
+                (4, False, True),
+                (8, False, True),
+            )  # fmt: skip
         ]
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), m
 
