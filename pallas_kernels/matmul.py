@@ -6,8 +6,9 @@ GPU). block_m and block_k are fixed per dtype, block_n depends on N only; M is p
 multiple of block_m and never chooses anything. So row i of C is bitwise the same for any M: it is
 computed by the same program position, with the same tile shapes and the same order of additions.
 
-Backends (chosen by `resolve_backend`): Hopper GPU -> Mosaic GPU kernel (`matmul_mosaic.py`, its own
-fixed tile plan); other GPUs -> this module's `pl.pallas_call` (Triton lowering); CPU -> the same
+Backends (chosen by `resolve_backend`): Hopper GPU -> Mosaic GPU kernel (`matmul_mosaic.py`: the
+same kind of plan -- fixed 64-wide K steps into an f32 accumulator -- with CTA shapes that may
+follow M, never changing an element's arithmetic); other GPUs -> this module's `pl.pallas_call` (Triton lowering); CPU -> the same
 `pallas_call` in interpret mode. Invariance holds within a backend; bits differ across backends.
 """
 
