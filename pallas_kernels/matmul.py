@@ -8,8 +8,9 @@ computed by the same program position, with the same tile shapes and the same or
 
 Backends (chosen by `resolve_backend`): Hopper GPU -> Mosaic GPU kernel (`matmul_mosaic.py`: the
 same kind of plan -- fixed 64-wide K steps into an f32 accumulator -- with CTA shapes that may
-follow M, never changing an element's arithmetic); other GPUs -> this module's `pl.pallas_call` (Triton lowering); CPU -> the same
-`pallas_call` in interpret mode. Invariance holds within a backend; bits differ across backends.
+follow M, never changing an element's arithmetic); other GPUs -> this module's `pl.pallas_call`
+(Triton lowering); CPU -> the same `pallas_call` in interpret mode. Invariance holds within a
+backend; bits differ across backends.
 """
 
 from __future__ import annotations
