@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -41,6 +42,12 @@ from serving.protocol import (
 from serving.sequence import SamplingOptions
 
 log = logging.getLogger("jdet.server")
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler asks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected; its requests were aborted."""
 
 
 class EngineDriver:
@@ -159,6 +166,30 @@ def _sse(obj: dict) -> str:
 
 
 # ---------------------------------------------------------------------- the app
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/*, as a plain ASGI middleware: Starlette's
+    `@app.middleware("http")` wraps `receive` so that `request.is_disconnected()` never sees the
+    client go away, which the non-streaming handlers rely on to abort abandoned requests."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = RequestError(
+                    "missing or wrong API key (Authorization: Bearer ...)",
+                    None,
+                    401,
+                    "invalid_api_key",
+                )
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class ServerState:
     def __init__(
         self, engine: Engine, model_name: str, fingerprint: str, api_key: str | None
@@ -191,18 +222,12 @@ def build_app(
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        if st.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {st.api_key}":
-                err = RequestError(
-                    "missing or wrong API key (Authorization: Bearer ...)",
-                    None,
-                    401,
-                    "invalid_api_key",
-                )
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, __: ClientGone) -> PlainTextResponse:
+        return PlainTextResponse("client closed request", status_code=499)  # nobody reads it
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -264,12 +289,33 @@ def build_app(
             st.driver.submit(rid, ids, o, q)
         return rids, q
 
-    async def results(rids: list[str], q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Outputs of these engine requests until all finish; aborts the rest if cancelled."""
+    async def results(
+        rids: list[str], q: asyncio.Queue, request: Request | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of these engine requests until all finish; aborts the rest if cancelled.
+
+        With `request` (non-streaming responses, which Starlette does not cancel when the client
+        goes away) the client is polled every DISCONNECT_POLL_S; a gone client ends the iteration
+        and its requests are aborted, so nobody computes tokens for a closed socket.
+        """
         live = set(rids)
+        last_poll = time.monotonic()
         try:
             while live:
-                item = await q.get()
+                if request is None:
+                    item = await q.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        item = None
+                    if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
+                        last_poll = time.monotonic()
+                        if await request.is_disconnected():
+                            log.info("client went away; aborting %d request(s)", len(live))
+                            raise ClientGone
+                    if item is None:
+                        continue
                 if isinstance(item, RequestError):
                     raise item
                 if item.finished:
@@ -363,7 +409,7 @@ def build_app(
             return StreamingResponse(stream(), media_type="text/event-stream")
 
         finals = {}
-        async for o in results(rids, q):
+        async for o in results(rids, q, request):
             if o.finished:
                 finals[o.request_id] = o
         choices = []
@@ -484,7 +530,7 @@ def build_app(
             return StreamingResponse(stream(), media_type="text/event-stream")
 
         finals = {}
-        async for o in results(rids, q):
+        async for o in results(rids, q, request):
             if o.finished:
                 finals[o.request_id] = o
         choices = []

@@ -333,3 +333,32 @@ def test_chat_on_a_model_without_chat_template_is_a_400(serving_model):
         )
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
     assert not eng.has_unfinished()
+
+
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it_and_frees_its_pages(server):
+    """Non-streaming: Starlette does not cancel the handler when the socket closes, so the server
+    polls; the request must end as "abort" (not run to its length) and return every page."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {
+        "model": "tiny",
+        "prompt": "Tell me a very long story",
+        "max_tokens": 100,
+        "n": 4,
+        "ignore_eos": True,
+        "seed": 2,
+    }
+    t0 = time.time()
+    full = httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=60)
+    took = time.time() - t0  # the whole request, run once to learn how long it takes here
+    assert full.status_code == 200, full.text
+    assert [c["finish_reason"] for c in full.json()["choices"]] == ["length"] * 4
+    aborted = metric(server, 'jdet_requests_finished_total{reason="abort"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=took / 4)
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(server, "jdet_kv_pages_in_use") > 0:
+        time.sleep(0.1)
+    assert metric(server, "jdet_kv_pages_in_use") == 0
+    # one engine request carries the n = 4 samples
+    assert metric(server, 'jdet_requests_finished_total{reason="abort"}') == aborted + 1
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
