@@ -134,6 +134,11 @@ def probe(out_dir: str, shapes=SHAPES, ms=MS) -> dict:
     return {"rows": rows}
 
 
+def run(out_dir) -> dict:
+    """gpu_suite entry point."""
+    return probe(str(out_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out")
