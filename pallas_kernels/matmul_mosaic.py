@@ -86,6 +86,23 @@ SMALL_M_ROWS = 64  # M at or below this runs on 64-row CTAs (see mosaic_config)
 SMALL_M_TILES = True  # benchmarks switch it off to measure what it buys
 
 
+def decode_rows(m: int) -> bool:
+    """Whether an M-row product runs on the 64-row decode CTAs (BIO and tree alike)."""
+    return SMALL_M_TILES and m <= SMALL_M_ROWS
+
+
+def decode_config(out_dtype, subtree: int = 1) -> MosaicConfig:
+    """CTA 64 x 128, warpgroups side by side along N (64 x 64 accumulators each)."""
+    return MosaicConfig(
+        tile_m=64,
+        tile_n=64,
+        tile_k=BLOCK_K,
+        max_concurrent_steps=_stages(64, 128, 64, 64, out_dtype),
+        wg_split="N",
+        subtree=subtree,
+    )
+
+
 def mosaic_config(
     n: int, out_dtype, cta_n: int | None = None, m: int | None = None
 ) -> MosaicConfig:
@@ -103,13 +120,8 @@ def mosaic_config(
     every candidate shape. A 128-row CTA at M = 16 spends 7/8 of its tensor-core time on zero
     rows; with 24 CTAs for N = 6144 that, not HBM, bounded the decode matmul.
     """
-    if m is not None and SMALL_M_TILES and m <= SMALL_M_ROWS and cta_n is None:
-        return MosaicConfig(
-            tile_m=64,
-            tile_n=64,
-            tile_k=BLOCK_K,
-            max_concurrent_steps=_stages(64, 128, 64, 64, out_dtype),
-        )
+    if m is not None and decode_rows(m) and cta_n is None:
+        return decode_config(out_dtype)
     if cta_n is None:
         cta_n = 256 if n % 256 == 0 else 128
     tile_n = cta_n // 2
@@ -134,18 +146,11 @@ def tree_config(
 
     Narrow: CTA 128 x tile_n, warpgroups stacked along M (64 x tile_n accumulators). Wide: CTA
     128 x 2*tile_n like the BIO kernel, warpgroups side by side along N (128 x tile_n accumulators,
-    the register partials then spill between leaf ends). Small (decode, M <= 64): CTA 64 x tile_n,
-    warpgroups side by side along N (64 x tile_n/2 accumulators): no warpgroup on zero rows.
+    the register partials then spill between leaf ends). Small (decode, M <= 64): `decode_config`,
+    CTA 64 x 128 whatever tile_n, so no warpgroup works on zero rows.
     """
     if small:
-        return MosaicConfig(
-            tile_m=64,
-            tile_n=tile_n // 2,
-            tile_k=BLOCK_K,
-            max_concurrent_steps=_stages(64, tile_n, 64, tile_n // 2, out_dtype),
-            wg_split="N",
-            subtree=subtree,
-        )
+        return decode_config(out_dtype, subtree)
     if wide:
         return MosaicConfig(
             tile_m=128,
@@ -366,7 +371,7 @@ def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool, bool]:
     tiles = pl.cdiv(m, 128) * (n // 128)  # whole-tree work items of the narrow config
     if tiles >= _num_sms():
         return num_leaves, TREE_WIDE, False
-    return min(4, num_leaves), False, SMALL_M_TILES and m <= SMALL_M_ROWS
+    return min(4, num_leaves), False, decode_rows(m)
 
 
 TREE_WIDE = False

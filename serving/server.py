@@ -191,14 +191,11 @@ class ApiKeyMiddleware:
 
 
 class ServerState:
-    def __init__(
-        self, engine: Engine, model_name: str, fingerprint: str, api_key: str | None
-    ) -> None:
+    def __init__(self, engine: Engine, model_name: str, fingerprint: str) -> None:
         self.engine = engine
         self.driver = EngineDriver(engine)
         self.model_name = model_name
         self.fingerprint = fingerprint
-        self.api_key = api_key
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
         self.ids = itertools.count()
@@ -207,7 +204,7 @@ class ServerState:
 def build_app(
     engine: Engine, *, model_name: str, fingerprint: str, api_key: str | None = None
 ) -> Any:
-    st = ServerState(engine, model_name, fingerprint, api_key)
+    st = ServerState(engine, model_name, fingerprint)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -302,20 +299,16 @@ def build_app(
         last_poll = time.monotonic()
         try:
             while live:
-                if request is None:
-                    item = await q.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-                    except TimeoutError:
-                        item = None
-                    if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
-                        last_poll = time.monotonic()
-                        if await request.is_disconnected():
-                            log.info("client went away; aborting %d request(s)", len(live))
-                            raise ClientGone
-                    if item is None:
-                        continue
+                if request is not None and time.monotonic() - last_poll >= DISCONNECT_POLL_S:
+                    last_poll = time.monotonic()
+                    if await request.is_disconnected():
+                        log.info("client went away; aborting %d request(s)", len(live))
+                        raise ClientGone
+                try:
+                    timeout = None if request is None else DISCONNECT_POLL_S
+                    item = await asyncio.wait_for(q.get(), timeout)
+                except TimeoutError:
+                    continue  # nothing yet: time to look at the client again
                 if isinstance(item, RequestError):
                     raise item
                 if item.finished:
