@@ -23,28 +23,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probs to return per generated token
 
     def __post_init__(self) -> None:
-        from jdet.sampling import NUM_TOP
+        # One validation for every entry point (LLM, server, CLI, engine): the bounds are those
+        # of the arrays the step receives, so a value that passes cannot fail inside a step.
+        from serving.sequence import SamplingOptions
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (
-                self.seed is None or 0 <= self.seed < 2**32,
-                f"seed must be in [0, 2**32), got {self.seed}",
-            ),
-            (
-                self.logprobs is None or 0 <= self.logprobs <= NUM_TOP,
-                f"logprobs must be in [0, {NUM_TOP}], got {self.logprobs}",
-            ),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        SamplingOptions.from_any(self).check()
 
 
 @dataclasses.dataclass

@@ -12,12 +12,22 @@ dropped, never reported. Outputs therefore trail the device by one step.
 
 Nothing here can change a token's bits: which step, batch or chunk a token is computed in does
 not matter (DESIGN §1); sampling randomness is keyed by (seed, position).
+
+Fault isolation: no request can hurt another. Input is checked at `add_request` against the
+bounds of the step's arrays (`SamplingOptions.check`, `check_prompt_ids`). If building the batch
+or detokenising still raises, the engine finds the request it belongs to, ends only that request
+with `finish_reason="error"` (pages freed) and steps the others on; since a row's bits do not
+depend on the batch, they are unchanged. An error that belongs to no one request (the device step
+itself) is logged with its traceback, every request is ended with the error, the KV pool and page
+accounting are reset and checked (`recover`), and `EngineStepError` is raised to the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +35,26 @@ from serving.block_manager import BlockManager, cdiv
 from serving.metrics import EngineMetrics
 from serving.model_runner import ModelRunner, default_num_pages
 from serving.scheduler import Scheduler
-from serving.sequence import NUM_TOP, SamplingOptions, Sequence, Status, derive_seed
+from serving.sequence import (
+    InvalidRequest,
+    SamplingOptions,
+    Sequence,
+    Status,
+    check_prompt_ids,
+    derive_seed,
+)
+
+log = logging.getLogger("jdet.engine")
+
+
+class EngineStepError(RuntimeError):
+    """A step failed for a reason no single request explains; every request was ended with the
+    error and the engine was reset to a clean, empty state (it can serve new requests)."""
+
+
+class EngineBroken(RuntimeError):
+    """Recovery after a failed step found inconsistent page accounting: the engine must not be
+    used again (the server exits non-zero on this)."""
 
 
 @dataclass
@@ -59,6 +88,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (max over samples)
     num_preemptions: int = 0  # recompute preemptions its samples went through
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the engine ended this request (finish_reason "error")
 
 
 @dataclass
@@ -68,6 +98,7 @@ class _Request:
     seed: int
     seqs: list[Sequence]
     arrival_time: float
+    error: str | None = None
 
 
 class Engine:
@@ -88,13 +119,21 @@ class Engine:
         scheduling: str = "stall_free",
         watermark: float = 0.01,
         min_tokens_bucket: int = 16,
-        min_seqs_bucket: int = 8,
-        min_pages_bucket: int = 4,
+        min_seqs_bucket: int = 1,
+        min_pages_bucket: int = 32,
         step_fn: Any = None,
         sharded: bool | None = None,
-        keep_raw_metrics: bool = True,
+        keep_raw_metrics: bool = False,
+        compile_cache: bool | str | Any = True,
     ) -> None:
+        """`min_*_bucket` shape the compiled step shapes (serving/model_runner.py `ShapeSet`);
+        `compile_cache` is JAX's persistent compilation cache: True (`$JDET_CACHE_DIR` or
+        ~/.cache/jdet/xla), a directory, or False (jdet/compile_cache.py)."""
+        from jdet import compile_cache as cc
         from jdet.ops import check_mode
+
+        self.compile_cache_dir = cc.enable(compile_cache)
+        cc.install_counter()
 
         self.invariance = check_mode(invariance)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -163,8 +202,12 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self._pending: dict[Sequence, None] = {}  # sequences with tokens not yet reported
         self.num_steps = 0
+        self.warm: set[str] = set()  # the kinds ("step", "score") whose shapes are compiled
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+        # Test hook for fault injection: called with each scheduled sequence while the step's
+        # batch is built; whatever it raises is treated as that sequence's fault.
+        self.fault_injector: Callable[[Sequence], None] | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -181,7 +224,7 @@ class Engine:
         """
         opts = SamplingOptions.from_any(params)
         self._validate(request_id, prompt_token_ids, opts)
-        seed = opts.seed if opts.seed is not None else secrets.randbits(32)
+        seed = int(opts.seed) if opts.seed is not None else secrets.randbits(32)
         now = time.perf_counter() if arrival_time is None else arrival_time
         prompt = [int(t) for t in prompt_token_ids]
         seqs = [
@@ -195,37 +238,15 @@ class Engine:
         return seed
 
     def _validate(self, request_id: str, prompt: list[int], o: SamplingOptions) -> None:
-        V = self.cfg.vocab_size
-        problems = [
-            (request_id in self.requests, f"request_id {request_id!r} is already in use"),
-            (len(prompt) == 0, "prompt is empty"),
-            (
-                any(not 0 <= int(t) < V for t in prompt),
-                f"prompt has a token id outside the vocabulary [0, {V})",
-            ),
-            (
-                len(prompt) >= self.max_model_len,
-                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
-                "shorten it or raise max_model_len",
-            ),
-            (o.n < 1, f"n must be >= 1, got {o.n}"),
-            (o.temperature < 0, f"temperature must be >= 0, got {o.temperature}"),
-            (not 0 < o.top_p <= 1, f"top_p must be in (0, 1], got {o.top_p}"),
-            (o.top_k < 0, f"top_k must be >= 0, got {o.top_k}"),
-            (
-                o.max_tokens is not None and o.max_tokens < 1,
-                f"max_tokens must be >= 1, got {o.max_tokens}",
-            ),
-            (
-                o.logprobs is not None and not 0 <= o.logprobs <= NUM_TOP,
-                f"logprobs must be in [0, {NUM_TOP}], got {o.logprobs}",
-            ),
-            (bool(o.stop) and self.tokenizer is None, "stop strings need a tokenizer"),
-            (any(not s for s in o.stop), "stop strings must be non-empty"),
-        ]
-        for bad, msg in problems:
-            if bad:
-                raise ValueError(msg)
+        """The shared boundary check (serving/sequence.py) plus what only the engine knows."""
+        if not isinstance(request_id, str) or request_id in self.requests:
+            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
+        check_prompt_ids(
+            prompt, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len, field="prompt"
+        )
+        o.check(self.cfg.vocab_size)
+        if o.stop and self.tokenizer is None:
+            raise InvalidRequest("stop", "stop strings need a tokenizer")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its pages return at once. False if unknown/finished."""
@@ -252,19 +273,98 @@ class Engine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 self.metrics.observe("queue", now - seq.arrival_time)
-        out = None
-        if plan:
-            batch, sampling = self.runner.prepare(plan)
-            out = self.runner.dispatch(batch, sampling)
-        outputs = self._report()  # overlaps with the device
-        if plan:
-            want_top = any(s.options.logprobs for s, _ in plan)
-            res = self.runner.fetch(out, len(plan), want_top)
-            self._apply(plan, res)
+        try:
+            out = None
+            if plan:
+                plan, prepared = self._prepare(plan)
+                if plan:
+                    out = self.runner.dispatch(*prepared)
+            outputs = self._report()  # overlaps with the device
+            if plan:
+                want_top = any(s.options.logprobs for s, _ in plan)
+                res = self.runner.fetch(out, len(plan), want_top)
+                self._apply(plan, res)
             if not self.scheduler.has_work():
                 outputs += self._report()
+        except Exception as e:
+            log.exception("engine step failed and no single request explains it")
+            self.recover(f"engine step failed: {type(e).__name__}: {e}")
+            raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}") from e
         self._update_gauges(plan)
         return outputs
+
+    # ------------------------------------------------------------------ fault isolation
+    def _prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[list, Any]:
+        """Build the step's arrays; a sequence whose data makes this raise ends its request
+        with an error, and the batch is rebuilt without it (the others' bits do not change)."""
+        while plan:
+            try:
+                return plan, self._prepare_rows(plan)
+            except Exception as e:  # noqa: BLE001 - find whose fault it was
+                bad = {seq.request_id for seq, n in plan if self._faulty([(seq, n)])}
+                if not bad:
+                    raise
+                for rid in bad:
+                    log.warning("request %s failed while its batch was built: %r", rid, e)
+                    self.fail_request(rid, f"{type(e).__name__}: {e}")
+                plan = [(s, n) for s, n in plan if s.request_id not in bad]
+        return plan, None
+
+    def _prepare_rows(self, plan: list[tuple[Sequence, int]]) -> Any:
+        if self.fault_injector is not None:
+            for seq, _ in plan:
+                self.fault_injector(seq)
+        return self.runner.prepare(plan)
+
+    def _faulty(self, item: list[tuple[Sequence, int]]) -> bool:
+        try:
+            self._prepare_rows(item)
+        except Exception:  # noqa: BLE001 - this is the question asked
+            return True
+        return False
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End one request because of an error of its own: its samples finish with reason
+        "error", their pages are freed now, and the next step reports the final output."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.error = error[:2000]
+        for s in req.seqs:
+            if not s.is_finished:
+                self._finish(s, "error")
+            self._pending[s] = None
+
+    def recover(self, error: str) -> None:
+        """After an unattributable failure: end every request with `error` (no output for them
+        follows: the caller is told by the exception), drop the prefix cache (a failed step may
+        have left junk K/V), re-create the KV cache if the failed step consumed the donated one,
+        and check the page accounting. Raises EngineBroken if the accounting is not clean."""
+        for rid in list(self.requests):
+            req = self.requests.pop(rid)
+            for s in req.seqs:
+                if not s.is_finished:
+                    self.scheduler.finish(s)
+                    s.finish_reason = "error"
+            self.metrics.finished.labels("error").inc()
+        self._pending.clear()
+        bm = self.block_manager
+        bm.hash_to_page.clear()
+        bm.page_to_hash.clear()
+        import jax
+        import jax.numpy as jnp
+
+        leaves = jax.tree_util.tree_leaves(self.runner.kv)
+        if any(x.is_deleted() for x in leaves):
+            self.runner.kv = jax.tree_util.tree_map(
+                lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self.runner.kv
+            )
+        try:
+            bm.check([])
+            assert not self.scheduler.has_work(), "the scheduler still holds sequences"
+        except AssertionError as e:
+            raise EngineBroken(f"page accounting is inconsistent after {error}: {e}") from e
+        self.refresh_gauges()
 
     def _apply(self, plan: list[tuple[Sequence, int]], res: dict) -> None:
         self.scheduler.advance(plan)
@@ -297,10 +397,16 @@ class Engine:
         """Detokenise pending sequences, apply stop strings, and build the per-request outputs."""
         touched: dict[str, None] = {}
         now = time.perf_counter()
-        for seq in self._pending:
-            if seq.request_id not in self.requests:
+        for seq in list(self._pending):
+            req = self.requests.get(seq.request_id)
+            if req is None:
                 continue
-            self._detokenize(seq)
+            try:
+                if req.error is None:
+                    self._detokenize(seq)
+            except Exception as e:  # noqa: BLE001 - one request's text cannot hurt the others
+                log.warning("request %s failed in detokenisation: %r", seq.request_id, e)
+                self.fail_request(seq.request_id, f"detokenisation failed: {e}")
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.metrics.observe("ttft", now - seq.arrival_time)
@@ -326,6 +432,7 @@ class Engine:
                 req.seed,
                 num_cached_tokens=max(s.num_cached_tokens for s in req.seqs),
                 num_preemptions=sum(s.num_preemptions for s in req.seqs),
+                error=req.error,
             )
             if finished:
                 del self.requests[rid]
@@ -411,14 +518,18 @@ class Engine:
         self._seen_prefix = (q, h)
 
     # ------------------------------------------------------------------ convenience
-    def warmup(self) -> float:
-        """Compile the step for every token bucket now (seconds taken); only on an idle engine
-        that has served nothing yet, since it writes junk K/V into free pages."""
-        if self.requests or self.block_manager.hash_to_page:
-            raise RuntimeError("warmup() must run before the engine serves any request")
-        t0 = time.perf_counter()
-        self.runner.warmup()
-        return time.perf_counter() - t0
+    def warmup(self, kind: str = "step", progress: bool = False, should_stop: Any = None) -> float:
+        """Compile `kind` ("step", or "score" for `score()`) for every shape of the engine's shape
+        set now, so no request ever waits for a compile; seconds taken (0 if already warm).
+        Writes no K/V, so it is safe at any time; `should_stop()` may cut it short."""
+        if kind not in ("step", "score"):
+            raise ValueError(f"warmup kind must be 'step' or 'score', got {kind!r}")
+        if kind in self.warm:
+            return 0.0
+        dt = self.runner.warmup(kind, progress=progress, should_stop=should_stop)
+        if should_stop is None or not should_stop():
+            self.warm.add(kind)
+        return dt
 
     def run(self) -> list[RequestOutput]:
         """Step until every request finished; return the final output of each (arrival order)."""

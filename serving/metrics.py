@@ -1,8 +1,10 @@
-"""Engine metrics: Prometheus series for `/metrics` plus raw samples for the benchmarks.
+"""Engine metrics: Prometheus series for `/metrics`, and raw samples only when asked for.
 
-Why both: Prometheus histograms answer "how is the server doing" cheaply; a benchmark needs the
-exact per-request TTFT / inter-token latencies to compute p50/p99 itself. Each engine owns its
-own `CollectorRegistry`, so several engines in one process (tests, benchmarks) never collide.
+Why: Prometheus histograms answer "how is the server doing" in constant memory (fixed buckets),
+which is what a server that runs for weeks needs; a benchmark needs the exact per-request TTFT /
+inter-token latencies to compute p50/p99 itself, so it opts in with `keep_raw=True` (one float
+per generated token, never freed: fine for a benchmark's minutes, not for a server). Each engine
+owns its own `CollectorRegistry`, so several engines in one process never collide.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class RawStats:
 
 
 class EngineMetrics:
-    def __init__(self, keep_raw: bool = True) -> None:
+    def __init__(self, keep_raw: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         self.raw = RawStats() if keep_raw else None
         p = "jdet_"
@@ -52,6 +54,9 @@ class EngineMetrics:
         self.kv_pages_total = Gauge(p + "kv_pages_total", "KV pages in the pool", registry=r)
         self.running = Gauge(p + "num_requests_running", "Running sequences", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Waiting sequences", registry=r)
+        self.warm = Gauge(p + "warm", "1 once every step shape is compiled", registry=r)
+        self.warmup_seconds = Gauge(p + "warmup_seconds", "Start-up compile time", registry=r)
+        r.register(_CompileCollector())
 
     def observe(self, name: str, value: float) -> None:
         getattr(self, name).observe(value)
@@ -60,3 +65,22 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CompileCollector:
+    """XLA compilations of this process (jdet/compile_cache.py), read at scrape time: after
+    warm-up they must not move; a rise means some request met a shape outside the set."""
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        from prometheus_client.core import CounterMetricFamily
+
+        from jdet.compile_cache import stats
+
+        s = stats()
+        yield CounterMetricFamily(
+            "jdet_compilations", "XLA compilations (persistent-cache loads included)", s.compiles
+        )
+        yield CounterMetricFamily("jdet_compile_seconds", "Seconds spent compiling", s.seconds)
+        yield CounterMetricFamily(
+            "jdet_compile_cache_hits", "Executables loaded from the persistent cache", s.cache_hits
+        )

@@ -3,7 +3,13 @@
 Why parse by hand instead of FastAPI's body binding: every failure (malformed JSON, wrong type,
 out-of-range value, unsupported feature) must answer in the OpenAI error format with the field in
 `param`, and nothing invalid may reach the engine thread. Checks that need the model (vocabulary,
-`max_model_len`, chat template) are in `check_prompt` / `sampling_options`, called by the server.
+`max_model_len`, chat template) are in `check_prompt` / `sampling_options`, called by the server;
+both end in the shared boundary check of serving/sequence.py (`SamplingOptions.check`,
+`check_prompt_ids`) that `jdet.LLM` and the engine use too.
+
+A parameter is either honoured or refused by name: unknown fields are a 400 naming them, except
+the documented no-ops in `ACCEPTED_NO_OPS`; vLLM/OpenAI extras jdet does not implement are listed,
+with the reason, in `UNSUPPORTED` (one place: delete an entry when the feature lands).
 """
 
 from __future__ import annotations
@@ -13,11 +19,85 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from serving.sequence import NUM_TOP, SamplingOptions
+from serving.sequence import (
+    INT32_MAX,
+    NUM_TOP,
+    InvalidRequest,
+    SamplingOptions,
+    check_prompt_ids,
+)
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts per completions request
 MAX_STOP = 16  # stop strings per request
+MAX_JSON_DEPTH = 32  # nesting of the request body (the deepest valid request needs 5)
+MAX_ECHO = 80  # characters of client-supplied text quoted back in an error message
+
+# Parameters of vLLM / OpenAI that jdet does not implement. A request that sends one is refused
+# naming it (a silently ignored `min_p=0.99` would return text the client did not ask for), unless
+# it sends the value that is jdet's fixed behaviour (`SAME_AS_JDET`).
+UNSUPPORTED: dict[str, str] = {
+    "min_p": "min-p sampling is not implemented",
+    "repetition_penalty": "repetition penalties are not implemented",
+    "length_penalty": "beam search is not implemented",
+    "min_tokens": "a minimum output length is not implemented",
+    "use_beam_search": "beam search is not implemented",
+    "early_stopping": "beam search is not implemented",
+    "prompt_logprobs": "prompt log-probs are not returned (use jdet.LLM.score)",
+    "guided_json": "guided decoding is not implemented",
+    "guided_regex": "guided decoding is not implemented",
+    "guided_choice": "guided decoding is not implemented",
+    "guided_grammar": "guided decoding is not implemented",
+    "guided_decoding_backend": "guided decoding is not implemented",
+    "structured_outputs": "guided decoding is not implemented",
+    "bad_words": "bad-word filtering is not implemented",
+    "allowed_token_ids": "token allow-lists are not implemented",
+    "truncate_prompt_tokens": "prompt truncation is not implemented; shorten the prompt",
+    "spaces_between_special_tokens": "detokenisation options are not implemented",
+    "include_stop_str_in_output": "stop strings are always removed from the output",
+    "skip_special_tokens": "special tokens are always skipped in the text",
+    "add_special_tokens": "the chat template / tokenizer default is always used",
+    "continue_final_message": "only add_generation_prompt=true is implemented",
+    "add_generation_prompt": "only add_generation_prompt=true is implemented",
+    "chat_template": "a per-request chat template is not accepted",
+    "chat_template_kwargs": "chat template arguments are not accepted",
+    "tool_choice": "tools are not supported",
+    "parallel_tool_calls": "tools are not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "modalities": "only text output is supported",
+    "audio": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning settings are not supported",
+    "web_search_options": "web search is not supported",
+    "priority": "request priorities are not implemented (FCFS)",
+    "logits_processors": "logits processors are not accepted over HTTP",
+}
+SAME_AS_JDET: dict[str, Any] = {
+    "min_p": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "spaces_between_special_tokens": True,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+}
+# Fields accepted and ignored because they cannot change a response's tokens.
+ACCEPTED_NO_OPS: dict[str, str] = {
+    "user": "an end-user id for the client's own records",
+    "metadata": "client-side tags",
+    "store": "jdet stores nothing",
+    "service_tier": "there is one tier",
+    "request_id": "clients' tracing id (the response carries jdet's own id)",
+}
+
+
+def clip(text: object, limit: int = MAX_ECHO) -> str:
+    """`repr` of client input, cut to `limit` characters: errors never echo a 100 KB string."""
+    r = repr(text)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 Int = StrictInt
 Num = Annotated[float, Field(strict=False)]
@@ -47,19 +127,19 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are refused)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: Num | None = Field(None, ge=0, le=2)
     top_p: Num | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1, le=INT32_MAX)
     n: Int = Field(1, ge=1, le=MAX_N)
     seed: Int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP * 4)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
@@ -127,14 +207,16 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None  # accepted, not shown to the template (OpenAI's optional tag)
 
     def text(self) -> str:
         if self.content is None:
@@ -148,7 +230,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=NUM_TOP)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=INT32_MAX)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -164,14 +246,70 @@ class ChatCompletionRequest(_Common):
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 
 
+def _check_tree(obj: Any) -> None:
+    """Depth limit and valid Unicode everywhere, without recursion (a hostile body cannot
+    exhaust the stack here). Lone surrogates (`"\\ud800"`) are legal JSON but not text: they
+    would fail in the tokenizer, so they are named here."""
+    stack: list[tuple[Any, str, int]] = [(obj, "", 1)]
+    while stack:
+        x, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(
+                f"request body nests deeper than {MAX_JSON_DEPTH} levels", path or None
+            )
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(
+                    f"{path or 'body'} is not valid Unicode text (it contains a lone surrogate "
+                    "such as \\ud800); send UTF-8 text",
+                    path or None,
+                ) from None
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                sub = f"{path}.{k}" if path else str(k)
+                stack.append((k, sub, depth + 1))
+                stack.append((v, sub, depth + 1))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i), depth + 1) for i, v in enumerate(x))
+
+
+def _check_fields(obj: dict, schema: type[_Common]) -> dict:
+    """Refuse unsupported and unknown top-level fields by name; drop the documented no-ops."""
+    for k, v in obj.items():
+        if k in UNSUPPORTED and not (
+            k in SAME_AS_JDET
+            and isinstance(v, bool) == isinstance(SAME_AS_JDET[k], bool)
+            and v == SAME_AS_JDET[k]
+        ):
+            raise RequestError(
+                f"{k} is not supported by jdet ({UNSUPPORTED[k]}); remove it from the request", k
+            )
+    unknown = [k for k in obj if k not in schema.model_fields and k not in ACCEPTED_NO_OPS]
+    if unknown:
+        names = ", ".join(clip(k, 40) for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise RequestError(
+            f"unknown field(s) {names}{more}; remove them (accepted no-ops: "
+            f"{', '.join(sorted(ACCEPTED_NO_OPS))})",
+            clip(unknown[0], 40),
+        )
+    return {k: v for k, v in obj.items() if k not in ACCEPTED_NO_OPS and k not in UNSUPPORTED}
+
+
 def parse(raw: bytes, schema: type[_Common]) -> Any:
     """JSON bytes -> validated request, or RequestError naming the first bad field."""
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}", None) from None
+        raise RequestError(f"request body is not valid JSON: {str(e)[:200]}", None) from None
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object", None)
+    _check_tree(obj)
+    obj = _check_fields(obj, schema)
     try:
         req = schema.model_validate(obj)
     except ValidationError as e:
@@ -179,22 +317,18 @@ def parse(raw: bytes, schema: type[_Common]) -> Any:
         loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "list["))]
         # unions report one branch per error; keep the path to the field itself
         field = ".".join(x for x in loc if x not in ("str", "int", "float", "bool")) or None
-        raise RequestError(f"{field}: {err['msg']}", field) from None
+        field = field if field is None else clip(field, 60).strip("'")
+        raise RequestError(f"{field}: {err['msg'][:300]}", field) from None
     req.unsupported()
     return req
 
 
 def check_prompt(ids: list[int], *, vocab_size: int, max_model_len: int, param: str) -> None:
-    if not ids:
-        raise RequestError("prompt is empty", param)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
-    if len(ids) >= max_model_len:
-        raise RequestError(
-            f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}; shorten it",
-            param,
-        )
+    """The shared prompt check (serving/sequence.py), as a RequestError naming `param`."""
+    try:
+        check_prompt_ids(ids, vocab_size=vocab_size, max_model_len=max_model_len, field=param)
+    except InvalidRequest as e:
+        raise RequestError(str(e), param) from None
 
 
 def sampling_options(
@@ -204,6 +338,7 @@ def sampling_options(
     max_model_len: int,
     logprobs: int | None,
     max_tokens: int | None,
+    vocab_size: int | None = None,
 ) -> SamplingOptions:
     """Engine sampling options for one prompt of a validated request."""
     room = max_model_len - prompt_len
@@ -218,7 +353,7 @@ def sampling_options(
             f"max_model_len={max_model_len}; ask for at most {room}",
             field,
         )
-    return SamplingOptions(
+    opts = SamplingOptions(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
@@ -230,3 +365,7 @@ def sampling_options(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
     )
+    try:
+        return opts.check(vocab_size)
+    except InvalidRequest as e:  # the shared bounds (int32, u32 seeds, vocabulary)
+        raise RequestError(str(e), e.field) from None

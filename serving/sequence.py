@@ -10,8 +10,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
+import math
 import secrets
 from dataclasses import dataclass, field
+
+import numpy as np
 
 NUM_TOP = 20  # top log-probs the step returns per row (jdet.step.NUM_TOP)
 _SEQ_IDS = itertools.count()
@@ -23,12 +26,75 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+INT32_MAX = 2**31 - 1  # top_k, positions and token ids travel to the device as int32
+SEED_MIN, SEED_END = -(2**63), 2**64  # any seed in this range maps to a u32 key (derive_seed)
+MAX_STOP_STRINGS = 64
+
+
+class InvalidRequest(ValueError):
+    """A request value that is out of range or cannot be represented in the step's arrays.
+
+    `field` names it, so the server can put it in the error's `param` and the offline API's
+    message starts with it. A ValueError, so existing `except ValueError` boundaries catch it.
+    """
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _is_real(x: object) -> bool:
+    return _is_int(x) or isinstance(x, float | np.floating)
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_int(value: object, field: str, lo: int, hi: int, hint: str = "") -> None:
+    """`value` is an int (not a bool) in [lo, hi]; raise InvalidRequest naming `field` if not."""
+    if not _is_int(value) or not lo <= int(value) <= hi:
+        shown = repr(value) if _is_int(value) or value is None else type(value).__name__
+        msg = f"{field} must be an integer in [{lo}, {hi}]{hint}, got {shown}"
+        raise InvalidRequest(field, msg)
+
+
+def check_prompt_ids(ids: object, *, vocab_size: int, max_model_len: int, field: str) -> None:
+    """A prompt given as token ids: non-empty ints in [0, vocab_size), shorter than
+    max_model_len (one position must remain for the first generated token)."""
+    if not isinstance(ids, list | tuple) or not ids:
+        raise InvalidRequest(field, f"{field} is empty; give at least one token")
+    for t in ids:
+        if not _is_int(t) or not 0 <= int(t) < vocab_size:
+            shown = repr(t) if _is_int(t) else type(t).__name__
+            raise InvalidRequest(
+                field, f"{field}: token id {shown} is outside the vocabulary [0, {vocab_size})"
+            )
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            field,
+            f"{field} has {len(ids)} tokens but max_model_len is {max_model_len}; shorten it "
+            "or raise max_model_len",
+        )
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
-    """What the engine needs to know about how to sample one request (already validated).
+    """What the engine needs to know about how to sample one request.
 
-    The engine accepts any object with these attribute names (e.g. `jdet.SamplingParams`); see
-    `SamplingOptions.from_any`. `seed=None` means "pick one at admission and record it".
+    The engine accepts any object with these attribute names (e.g. `jdet.SamplingParams`, a
+    dict); see `SamplingOptions.from_any`. `seed=None` means "pick one at admission and record it".
+    `check()` is the one validation every entry point (LLM, server, CLI, engine) goes through:
+    its bounds are those of the arrays the step receives (int32 top_k, u32 seed keys, f32
+    temperature/top_p), so nothing that passes it can fail inside `ModelRunner.prepare`.
     """
 
     temperature: float = 1.0
@@ -45,29 +111,78 @@ class SamplingOptions:
 
     @classmethod
     def from_any(cls, p: object | None) -> SamplingOptions:
-        """Copy the known fields from any params object (or dict); unknown fields are ignored."""
+        """Copy the known fields from any params object (or dict), unconverted: `check()` then
+        names any value of the wrong type instead of a bare `int()` error."""
         if p is None:
             return cls()
         if isinstance(p, SamplingOptions):
             return p
         get = p.get if isinstance(p, dict) else lambda k, d: getattr(p, k, d)
         stop = get("stop", ()) or ()
-        if isinstance(stop, str):
-            stop = (stop,)
+        stop = (stop,) if isinstance(stop, str) else stop
         top_k = get("top_k", 0)
+        n = get("n", 1)
         return cls(
-            temperature=float(get("temperature", 1.0)),
-            top_p=float(get("top_p", 1.0)),
-            top_k=0 if top_k is None or top_k < 0 else int(top_k),
+            temperature=get("temperature", 1.0),
+            top_p=get("top_p", 1.0),
+            top_k=0 if top_k is None or (_is_int(top_k) and top_k == -1) else top_k,
             seed=get("seed", None),
             max_tokens=get("max_tokens", 16),
-            n=1 if get("n", 1) is None else int(get("n", 1)),
-            stop=tuple(stop),
+            n=1 if n is None else n,
+            stop=tuple(stop) if isinstance(stop, list | tuple) else stop,
             stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
-            ignore_eos=bool(get("ignore_eos", False)),
+            ignore_eos=get("ignore_eos", False),
             logprobs=get("logprobs", None),
-            skip_special_tokens=bool(get("skip_special_tokens", True)),
+            skip_special_tokens=get("skip_special_tokens", True),
         )
+
+    def check(self, vocab_size: int | None = None) -> SamplingOptions:
+        """Raise InvalidRequest naming the first bad field; return self (for chaining).
+
+        Model-dependent bounds (stop token ids < vocab) apply when `vocab_size` is given.
+        """
+        t, p = self.temperature, self.top_p
+        if not _is_real(t) or not (math.isfinite(t) and 0 <= t <= F32_MAX):
+            raise InvalidRequest(
+                "temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
+            )
+        if not _is_real(p) or not (math.isfinite(p) and 0 < p <= 1):
+            raise InvalidRequest("top_p", f"top_p must be a number in (0, 1], got {p!r}")
+        check_int(self.top_k, "top_k", 0, INT32_MAX, " (0 = off; -1 also means off)")
+        if self.seed is not None:
+            check_int(self.seed, "seed", SEED_MIN, SEED_END - 1)
+        if self.max_tokens is not None:
+            check_int(self.max_tokens, "max_tokens", 1, INT32_MAX)
+        check_int(self.n, "n", 1, INT32_MAX)
+        if self.logprobs is not None:
+            check_int(self.logprobs, "logprobs", 0, NUM_TOP)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise InvalidRequest(name, f"{name} must be true or false")
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(
+                "stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequest("stop", "stop strings must be non-empty strings")
+            if _has_surrogate(s):
+                raise InvalidRequest("stop", "stop strings must be valid Unicode (lone surrogate)")
+        hi = INT32_MAX if vocab_size is None else vocab_size - 1
+        for tid in self.stop_token_ids:
+            check_int(tid, "stop_token_ids", 0, hi, " (token ids of the vocabulary)")
+        return self
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_request(
+    prompt: object, opts: SamplingOptions, *, vocab_size: int, max_model_len: int
+) -> None:
+    """The whole boundary check of one request: its prompt ids and its sampling options."""
+    check_prompt_ids(prompt, vocab_size=vocab_size, max_model_len=max_model_len, field="prompt")
+    opts.check(vocab_size)
 
 
 def derive_seed(seed: int | None, index: int) -> int:

@@ -8,6 +8,14 @@ which releases the request's pages on the engine thread before its next step.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream=true`, ending in
 `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text). Binds 127.0.0.1 by default.
+
+Hardening (no request can hurt another): the body is capped (`max_body_bytes`, default 4 MB,
+413 beyond), JSON nesting and lone surrogates are refused in protocol.parse, parsing,
+tokenisation and the chat template run in worker threads so a large prompt never blocks the event
+loop, and with an API key (`--api-key` or `JDET_API_KEY`) every path except /health needs it
+(/metrics too, unless `--public-metrics`). A request the engine fails alone gets a 500 of its own;
+an engine failure nobody explains ends the running requests with 500s, the engine resets itself,
+and if its page accounting is not clean afterwards the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,13 +38,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.engine import CompletionOutput, Engine, RequestOutput
+from serving.engine import CompletionOutput, Engine, EngineBroken, EngineStepError, RequestOutput
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
     check_prompt,
+    clip,
     parse,
     sampling_options,
 )
@@ -44,6 +55,8 @@ from serving.sequence import SamplingOptions
 log = logging.getLogger("jdet.server")
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler asks whether its client is still there
+MAX_BODY_BYTES = 4 << 20  # default request body limit (--max-body-bytes)
+EXIT_ENGINE_BROKEN = 70  # process exit status when the engine cannot be trusted after a failure
 
 
 class ClientGone(Exception):
@@ -53,8 +66,10 @@ class ClientGone(Exception):
 class EngineDriver:
     """Runs `engine.step()` on a background thread; thread-safe submit/abort from asyncio."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, warmup: bool = True) -> None:
         self.engine = engine
+        self.warmup = warmup
+        self.ready = threading.Event()  # set once every step shape is compiled (/health: 200)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -83,8 +98,27 @@ class EngineDriver:
             loop, q = route
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _warm_up(self) -> None:
+        """Compile every step shape before the first step (requests that arrive meanwhile wait in
+        the queue), so no request in flight ever stalls on a compile."""
+        eng = self.engine
+        if self.warmup:
+            n = len(eng.runner.shapes.all())
+            log.info("warming up: compiling %d step shapes", n)
+            dt = eng.warmup("step", progress=True, should_stop=lambda: self.stopping)
+            eng.metrics.warmup_seconds.set(dt)
+            log.info("warm: %d step shapes in %.1f s", n, dt)
+        eng.metrics.warm.set(1)
+        self.ready.set()
+
     def _run(self) -> None:
         eng = self.engine
+        try:
+            self._warm_up()
+        except Exception as e:  # noqa: BLE001 - /health reports it; the process stays inspectable
+            log.exception("warm-up failed")
+            self.error = e
+            return
         while not self.stopping:
             while True:
                 try:
@@ -95,7 +129,7 @@ class EngineDriver:
                     try:
                         eng.add_request(rid, ids, opts)
                     except ValueError as e:  # validated before; a last line of defence
-                        self._post(rid, RequestError(str(e)))
+                        self._post(rid, RequestError(str(e), getattr(e, "field", None)))
                         self.routes.pop(rid, None)
                 else:
                     eng.abort(rid)
@@ -105,18 +139,28 @@ class EngineDriver:
                 self.wakeup.wait(0.1)
                 self.wakeup.clear()
                 continue
+            live = list(eng.requests)
             try:
                 outs = eng.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
-                log.exception("engine step failed; aborting the running requests")
+            except EngineBroken:
+                log.critical("engine state is inconsistent after a failed step; exiting")
+                logging.shutdown()
+                os._exit(EXIT_ENGINE_BROKEN)
+            except Exception as e:  # noqa: BLE001 - the engine already reset itself
+                if not isinstance(e, EngineStepError):  # step() wraps what it can recover from
+                    log.exception("engine step failed")
                 self.error = e
-                for rid in list(eng.requests):
-                    eng.abort(rid)
-                    self._post(rid, RequestError(f"engine error: {e}", status=500))
+                for rid in live:
+                    eng.abort(rid)  # no-op after a recovery; covers anything else
+                    self._post(rid, RequestError(f"engine error: {clip(str(e), 300)}", status=500))
                     self.routes.pop(rid, None)
                 continue
             for o in outs:
-                self._post(o.request_id, o)
+                if o.error is not None:  # this request alone failed; the others go on
+                    err = RequestError(f"request failed in the engine: {o.error}", status=500)
+                    self._post(o.request_id, err)
+                else:
+                    self._post(o.request_id, o)
                 if o.finished:
                     self.routes.pop(o.request_id, None)
 
@@ -167,16 +211,18 @@ def _sse(obj: dict) -> str:
 
 # ---------------------------------------------------------------------- the app
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/*, as a plain ASGI middleware: Starlette's
+    """`Authorization: Bearer <key>` on every path but /health (and /metrics when `open_paths`
+    has it): /docs, /redoc and /openapi.json too. A plain ASGI middleware: Starlette's
     `@app.middleware("http")` wraps `receive` so that `request.is_disconnected()` never sees the
     client go away, which the non-streaming handlers rely on to abort abandoned requests."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode("latin-1")
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 err = RequestError(
@@ -191,9 +237,11 @@ class ApiKeyMiddleware:
 
 
 class ServerState:
-    def __init__(self, engine: Engine, model_name: str, fingerprint: str) -> None:
+    def __init__(
+        self, engine: Engine, model_name: str, fingerprint: str, warmup: bool = True
+    ) -> None:
         self.engine = engine
-        self.driver = EngineDriver(engine)
+        self.driver = EngineDriver(engine, warmup)
         self.model_name = model_name
         self.fingerprint = fingerprint
         self.tokenizer = engine.tokenizer
@@ -202,9 +250,18 @@ class ServerState:
 
 
 def build_app(
-    engine: Engine, *, model_name: str, fingerprint: str, api_key: str | None = None
+    engine: Engine,
+    *,
+    model_name: str,
+    fingerprint: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    public_metrics: bool = False,
+    warmup: bool = True,
 ) -> Any:
-    st = ServerState(engine, model_name, fingerprint)
+    """The FastAPI app. With `warmup` the engine thread compiles every step shape first, and
+    /health answers 503 "warming up" until it is done."""
+    st = ServerState(engine, model_name, fingerprint, warmup)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -223,12 +280,52 @@ def build_app(
     async def _client_gone(_: Request, __: ClientGone) -> PlainTextResponse:
         return PlainTextResponse("client closed request", status_code=499)  # nobody reads it
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # 404 unknown path, 405 wrong method, ... in the OpenAI error format
+        what = f"{request.method} {clip(request.url.path, 100)}"
+        err = RequestError(f"{e.detail}: {what}", None, e.status_code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        err = RequestError(f"internal error: {type(e).__name__}", None, 500)
+        return JSONResponse(err.body(), status_code=500)
+
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+
+    async def read_body(request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it exceeds `max_body_bytes` (before it
+        is all read, so a 10 GB upload costs the server nothing)."""
+        too_big = RequestError(
+            f"request body exceeds {max_body_bytes} bytes; send a shorter request",
+            None,
+            413,
+            "request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError("Content-Length header is not a number", None)
+            if int(declared) > max_body_bytes:
+                raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = st.driver.thread.is_alive()
+        alive = st.driver.thread.is_alive()
+        if alive and not st.driver.ready.is_set():
+            return JSONResponse({"status": "warming up"}, status_code=503)
+        ok = alive and st.driver.ready.is_set()
         return JSONResponse(
             {"status": "ok" if ok else "engine thread died"}, status_code=200 if ok else 503
         )
@@ -257,23 +354,28 @@ def build_app(
     def check_model(name: str) -> None:
         if name != st.model_name:
             raise RequestError(
-                f"model {name!r} does not exist; this server serves {st.model_name!r}",
+                f"model {clip(name)} does not exist; this server serves {st.model_name!r}",
                 "model",
                 404,
                 "model_not_found",
             )
 
-    def encode(text: str, add_special: bool = True) -> list[int]:
+    async def encode(text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
+        """Tokenise in a worker thread: a long prompt must not stall every other stream."""
         if st.tokenizer is None:
-            raise RequestError("this model has no tokenizer; send prompts as token ids", "prompt")
-        return list(st.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+            raise RequestError("this model has no tokenizer; send prompts as token ids", param)
+
+        def run_tokenizer() -> list[int]:
+            return list(st.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+        try:
+            return await asyncio.to_thread(run_tokenizer)
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's
+            raise RequestError(
+                f"{param} could not be tokenised ({type(e).__name__}: {clip(str(e), 200)})", param
+            ) from None
 
     def check_stop_ids(req: Any) -> None:
-        bad = [t for t in req.stop_token_ids or () if not 0 <= t < eng.cfg.vocab_size]
-        if bad:
-            raise RequestError(
-                f"stop token id {bad[0]} is outside the vocabulary", "stop_token_ids"
-            )
         if req.stop and st.tokenizer is None:
             raise RequestError("stop strings need a tokenizer", "stop")
 
@@ -318,6 +420,15 @@ def build_app(
             for rid in live:
                 st.driver.abort(rid)
 
+    async def guarded(it: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput | str]:
+        """A stream's outputs; an error after the 200 went out becomes one SSE error event and
+        `data: [DONE]` (the connection ends cleanly instead of breaking mid-stream)."""
+        try:
+            async for o in it:
+                yield o
+        except RequestError as e:
+            yield _sse(e.body()) + "data: [DONE]\n\n"
+
     def usage(prompts: list[list[int]], finals: dict[str, RequestOutput]) -> dict:
         p = sum(len(x) for x in prompts)
         c = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
@@ -326,12 +437,13 @@ def build_app(
     # ------------------------------------------------------------------ completions
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req: CompletionRequest = parse(await request.body(), CompletionRequest)
+        body = await read_body(request)
+        req: CompletionRequest = await asyncio.to_thread(parse, body, CompletionRequest)
         check_model(req.model)
         check_stop_ids(req)
         prompts = []
         for p in req.prompts():
-            ids = encode(p) if isinstance(p, str) else list(p)
+            ids = await encode(p) if isinstance(p, str) else list(p)
             check_prompt(
                 ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len, param="prompt"
             )
@@ -343,6 +455,7 @@ def build_app(
                 max_model_len=eng.max_model_len,
                 logprobs=req.logprobs,
                 max_tokens=req.max_tokens,
+                vocab_size=eng.cfg.vocab_size,
             )
             for ids in prompts
         ]
@@ -368,7 +481,10 @@ def build_app(
                 finals: dict[str, RequestOutput] = {}
                 offsets: dict[tuple[str, int], int] = {}
                 done: set[tuple[str, int]] = set()
-                async for o in results(rids, q):
+                async for o in guarded(results(rids, q)):
+                    if isinstance(o, str):  # the error event: the stream ends here
+                        yield o
+                        return
                     for c in o.outputs:
                         key = (o.request_id, c.index)
                         ends = c.finish_reason is not None and key not in done
@@ -405,25 +521,31 @@ def build_app(
         async for o in results(rids, q, request):
             if o.finished:
                 finals[o.request_id] = o
-        choices = []
-        for rid in rids:
-            for c in finals[rid].outputs:
-                lp = _completion_logprobs(tok, c, 0, len(c.token_ids), 0) if want_lp else None
-                choices.append(
-                    {
-                        "index": index[rid] * n + c.index,
-                        "text": c.text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "seed": c.seed,
-                    }
-                )
+
+        def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
+            choices = []
+            for rid in rids:
+                for c in finals[rid].outputs:
+                    lp = _completion_logprobs(tok, c, 0, len(c.token_ids), 0) if want_lp else None
+                    choices.append(
+                        {
+                            "index": index[rid] * n + c.index,
+                            "text": c.text,
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason,
+                            "seed": c.seed,
+                        }
+                    )
+            return choices
+
+        choices = await asyncio.to_thread(build)
         return {**head, "choices": choices, "usage": usage(prompts, finals)}
 
     # ------------------------------------------------------------------ chat
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        req: ChatCompletionRequest = parse(await request.body(), ChatCompletionRequest)
+        body = await read_body(request)
+        req: ChatCompletionRequest = await asyncio.to_thread(parse, body, ChatCompletionRequest)
         check_model(req.model)
         check_stop_ids(req)
         tok = st.tokenizer
@@ -434,12 +556,14 @@ def build_app(
             )
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            text = await asyncio.to_thread(
+                tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation
             raise RequestError(
-                f"the chat template rejected these messages: {e}", "messages"
+                f"the chat template rejected these messages: {clip(str(e), 200)}", "messages"
             ) from None
-        ids = encode(text, add_special=False)
+        ids = await encode(text, add_special=False, param="messages")
         check_prompt(
             ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len, param="messages"
         )
@@ -451,6 +575,7 @@ def build_app(
             max_model_len=eng.max_model_len,
             logprobs=k,
             max_tokens=max_tokens,
+            vocab_size=eng.cfg.vocab_size,
         )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -486,7 +611,10 @@ def build_app(
                         }
                     )
                 done: set[int] = set()
-                async for o in results(rids, q):
+                async for o in guarded(results(rids, q)):
+                    if isinstance(o, str):  # the error event: the stream ends here
+                        yield o
+                        return
                     for c in o.outputs:
                         ends = c.finish_reason is not None and c.index not in done
                         if not c.delta_text and not c.delta_token_ids and not ends:
@@ -526,18 +654,23 @@ def build_app(
         async for o in results(rids, q, request):
             if o.finished:
                 finals[o.request_id] = o
-        choices = []
-        for c in finals[rids[0]].outputs:
-            lp = _chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "seed": c.seed,
-                }
-            )
+
+        def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
+            choices = []
+            for c in finals[rids[0]].outputs:
+                lp = _chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "seed": c.seed,
+                    }
+                )
+            return choices
+
+        choices = await asyncio.to_thread(build)
         return {**head, "choices": choices, "usage": usage([ids], finals)}
 
     return app
@@ -565,13 +698,19 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     dtype: str = "bfloat16",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    public_metrics: bool = False,
     **engine_kwargs: Any,
 ) -> None:
     """Blocking: load (if given a path), build the engine, serve until interrupted.
 
-    `engine_kwargs` are `Engine`'s settings: invariance, tp, max_num_batched_tokens,
-    max_num_seqs, max_model_len, page_size, num_pages, enable_prefix_caching, scheduling, ...
+    `api_key` defaults to the `JDET_API_KEY` environment variable (a key on the command line is
+    visible to every user in `ps`). `engine_kwargs` are `Engine`'s settings: invariance, tp,
+    max_num_batched_tokens, max_num_seqs, max_model_len, page_size, num_pages, ...
     """
+    api_key = api_key or os.environ.get("JDET_API_KEY") or None
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     import uvicorn
 
     import jdet
@@ -581,7 +720,12 @@ def serve(
     engine = Engine(model, **engine_kwargs)
     name = served_model_name or (Path(model.path).name if getattr(model, "path", None) else "jdet")
     app = build_app(
-        engine, model_name=name, fingerprint=server_fingerprint(model, engine), api_key=api_key
+        engine,
+        model_name=name,
+        fingerprint=server_fingerprint(model, engine),
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        public_metrics=public_metrics,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -591,7 +735,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (default: embedded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-key", default=None, help="require this bearer key (default: $JDET_API_KEY)"
+    )
+    p.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the API key"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413)"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--invariance", default="tp", choices=["tp", "batch", "none"])
@@ -609,8 +761,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="smallest padded token count (raise it to compile fewer shapes)",
     )
-    p.add_argument("--min-seqs-bucket", type=int, default=8)
-    p.add_argument("--min-pages-bucket", type=int, default=4)
+    p.add_argument(
+        "--min-seqs-bucket", type=int, default=1, help="smallest padded sequence count"
+    )
+    p.add_argument(
+        "--min-pages-bucket", type=int, default=32, help="smallest padded page-table width"
+    )
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="persistent compilation cache (default: $JDET_CACHE_DIR or ~/.cache/jdet/xla)",
+    )
+    p.add_argument(
+        "--no-compile-cache", action="store_true", help="do not use the persistent cache"
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -623,6 +787,8 @@ def main(argv: list[str] | None = None) -> None:
         host=a.host,
         port=a.port,
         api_key=a.api_key,
+        public_metrics=a.public_metrics,
+        max_body_bytes=a.max_body_bytes,
         served_model_name=a.served_model_name,
         log_level=a.log_level,
         dtype=a.dtype,
@@ -638,7 +804,15 @@ def main(argv: list[str] | None = None) -> None:
         min_tokens_bucket=a.min_tokens_bucket,
         min_seqs_bucket=a.min_seqs_bucket,
         min_pages_bucket=a.min_pages_bucket,
+        compile_cache=compile_cache_setting(a),
     )
+
+
+def compile_cache_setting(a: argparse.Namespace) -> bool | str:
+    """--no-compile-cache / --compile-cache-dir DIR -> Engine's `compile_cache`."""
+    if a.no_compile_cache and a.compile_cache_dir:
+        raise ValueError("give --compile-cache-dir or --no-compile-cache, not both")
+    return False if a.no_compile_cache else (a.compile_cache_dir or True)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def test_bad_requests_are_refused_before_the_scheduler(serving_model, prompt, pa
 
 
 def test_metrics_report_latency_tokens_pages_preemptions_and_prefix_hits(serving_model):
-    eng = make_engine(serving_model, MODE)
+    eng = make_engine(serving_model, MODE, keep_raw_metrics=True)  # benchmarks opt in to raw
     ids, params = PROBES["greedy"]
     run(eng, [("a", ids, params)])
     run(eng, [("b", ids, params)])  # prefix hit
@@ -157,6 +157,16 @@ def test_metrics_report_latency_tokens_pages_preemptions_and_prefix_hits(serving
     ]:
         assert name in text, name
     assert len(eng.metrics.raw.itl) == 2 * 11 and len(eng.metrics.raw.ttft) == 2
+
+
+def test_an_engine_keeps_no_per_token_samples_by_default(serving_model):
+    """Memory must not grow with the tokens served: the default engine keeps histograms only.
+    Control: the opt-in engine of the test above keeps one sample per token."""
+    eng = make_engine(serving_model, MODE)
+    ids, params = PROBES["greedy"]
+    run(eng, [("a", ids, params)])
+    assert eng.metrics.raw is None
+    assert "jdet_inter_token_latency_seconds_count 11.0" in eng.metrics.render().decode()
 
 
 def test_offline_backend_returns_jdet_outputs_equal_to_the_engine(serving_model):

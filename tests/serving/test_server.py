@@ -96,7 +96,7 @@ def client(server):
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -106,6 +106,10 @@ def test_models_health_and_auth(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     r = httpx.get(server + "/v1/models")  # no key
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/nope"):  # all but /health
+        assert httpx.get(server + path).status_code == 401, path
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server + "/metrics", headers=ok).status_code == 200  # the control
 
 
 def test_completion_with_seed_and_logprobs_is_reproducible(client):
