@@ -94,6 +94,7 @@ def make_engine(model: Any, mode: str, a: argparse.Namespace, warm: bool = True,
         max_model_len=max_len, page_size=a.page_size, num_pages=a.num_pages,
         min_seqs_bucket=a.max_num_seqs, min_pages_bucket=max_len // a.page_size,
         min_tokens_bucket=a.min_tokens_bucket,
+        keep_raw_metrics=True,  # p50/p99 from every sample (the engine keeps none by default)
     )  # fmt: skip
     settings.update(kw)
     eng = Engine(model, **settings)
