@@ -216,3 +216,126 @@ def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
     a, b = make_engine(serving_model, mode), make_engine(serving_model, mode, budget=16)
     assert a.runner.step_fn is b.runner.step_fn
     assert a.runner.score_step() is b.runner.score_step()
+
+
+def _fault_scenario(model, *, isolate: bool):
+    """Eight requests share the steps; "bad" raises inside the batch build once it has 2 tokens."""
+    from tests.serving.test_engine_invariance import others
+
+    eng = make_engine(model, "tp")
+    reqs = others(7, seed=31, long=True)
+    bad_prompt = [random.Random(7).randrange(1, 320) for _ in range(30)]
+    reqs.insert(3, ("bad", bad_prompt, dict(max_tokens=20, ignore_eos=True, seed=1)))
+    fired = []
+
+    def injector(seq):
+        if seq.request_id == "bad" and seq.num_output_tokens >= 2:
+            fired.append(sorted(r for r in eng.requests if r != "bad"))  # who was running too
+            raise OverflowError("injected: a value the step's int32 arrays cannot hold")
+
+    eng.fault_injector = injector
+    if not isolate:  # the broken variant: no attribution, so the fault is the whole step's
+        eng._faulty = lambda item: False
+    for rid, ids, params in reqs:
+        eng.add_request(rid, ids, params)
+    return eng, reqs, fired
+
+
+def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(serving_model):
+    from tests.serving.test_engine_invariance import bits
+
+    eng, reqs, fired = _fault_scenario(serving_model, isolate=True)
+    got = {o.request_id: o for o in eng.run()}
+    assert fired and len(fired[0]) == 7  # it fired mid-flight, with all seven others running
+    bad = got["bad"]
+    assert bad.finished and bad.error and "OverflowError" in bad.error
+    assert bad.outputs[0].finish_reason == "error" and len(bad.outputs[0].token_ids) == 2
+    eng.block_manager.check([])
+    assert eng.block_manager.num_used == 0  # every page came back, the failed request's too
+    assert 'jdet_requests_finished_total{reason="error"} 1.0' in eng.metrics.render().decode()
+    ref = run(make_engine(serving_model, "tp"), [r for r in reqs if r[0] != "bad"])
+    for rid in ref:
+        assert got[rid].outputs[0].finish_reason == "length"
+        for (t1, l1, k1), (t2, l2, k2) in zip(bits(ref[rid]), bits(got[rid]), strict=True):
+            assert np.array_equal(t1, t2) and np.array_equal(l1, l2) and k1 == k2, rid
+
+
+def test_negative_control_without_attribution_the_fault_ends_every_request(serving_model):
+    """The same fault, with culprit-finding disabled: the step fails for all, which the test
+    above would see as missing outputs. The engine still recovers to a clean, usable state."""
+    from serving.engine import EngineStepError
+
+    eng, reqs, fired = _fault_scenario(serving_model, isolate=False)
+    with pytest.raises(EngineStepError, match="OverflowError"):
+        eng.run()
+    assert fired and not eng.has_unfinished()
+    eng.block_manager.check([])
+    assert eng.block_manager.num_used == 0
+    eng.fault_injector = None
+    out = run(eng, reqs[:1])  # and it serves again
+    assert out[reqs[0][0]].outputs[0].finish_reason == "length"
+
+
+def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(serving_model):
+    """A failing device step (here: the dispatch raises) is nobody's fault: every request ends,
+    the pages and prefix cache are reset, and later requests get the same bits as before."""
+    from serving.engine import EngineStepError
+    from tests.serving.test_engine_invariance import bits
+
+    eng = make_engine(serving_model, "tp")
+    ids, params = PROBES["sampled"]
+    before = run(eng, [("p", ids, params)])["p"]
+    real = eng.runner.dispatch
+    eng.runner.dispatch = lambda *a: (_ for _ in ()).throw(RuntimeError("injected device error"))
+    eng.add_request("q", ids, params)
+    with pytest.raises(EngineStepError, match="injected device error"):
+        eng.step()
+    assert not eng.has_unfinished() and eng.block_manager.num_used == 0
+    assert not eng.block_manager.hash_to_page  # K/V of a failed step is not trusted
+    eng.runner.dispatch = real
+    after = run(eng, [("p", ids, params)])["p"]
+    for (t1, l1, k1), (t2, l2, k2) in zip(bits(before), bits(after), strict=True):
+        assert np.array_equal(t1, t2) and np.array_equal(l1, l2) and k1 == k2
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop_token_ids": [320]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop": ["a\ud800"]}, "stop"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
+    ],
+)
+def test_values_the_step_arrays_cannot_hold_are_refused_at_admission(serving_model, params, field):
+    """Each of these used to reach `ModelRunner.prepare` (an int32 overflow there ended every
+    running request); now the shared check names the field and nothing is queued."""
+    from serving.sequence import InvalidRequest
+
+    eng = make_engine(serving_model, MODE)
+    with pytest.raises(InvalidRequest, match=field) as e:
+        eng.add_request("x", [1, 2, 3], params)
+    assert e.value.field == field
+    assert not eng.has_unfinished() and not eng.scheduler.has_work()
+
+
+def test_llm_sampling_params_share_the_engine_bounds():
+    import jdet
+    from serving.sequence import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="top_k"):
+        jdet.SamplingParams(top_k=2**31)
+    with pytest.raises(InvalidRequest, match="seed"):
+        jdet.SamplingParams(seed=2**64)
+    assert jdet.SamplingParams(top_k=2**31 - 1, seed=2**64 - 1).top_k == 2**31 - 1
