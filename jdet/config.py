@@ -83,15 +83,81 @@ class ModelConfig:
                     f"no config.json in {p}: a Hugging Face model directory (config.json + "
                     "*.safetensors) or a jdet checkpoint saved with jdet.save() is expected"
                 )
-            raw = json.loads(f.read_text())
+            raw = read_json(f, "a Hugging Face config.json")
             where = str(f)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
         return _from_dict(raw, where)
+
+
+INT32_MAX = 2**31 - 1  # positions and token ids travel as int32
+
+
+def read_json(f: Path, what: str) -> Any:
+    """Parse a JSON file; a broken one is an error naming the file and saying what it should be."""
+    try:
+        return json.loads(f.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({e}); expected {what}") from None
 
 
 def _req(raw: dict, key: str, where: str) -> Any:
     if raw.get(key) is None:
         raise ValueError(f"{where}: required field '{key}' is missing")
     return raw[key]
+
+
+def _int(raw: dict, key: str, where: str, default: Any = None, lo: int = 1) -> int:
+    """A whole-number field (an integral float such as 4096.0 is accepted), at least `lo`."""
+    v = _req(raw, key, where) if default is None else raw.get(key, default)
+    if v is None:
+        v = default
+    ok = isinstance(v, int) and not isinstance(v, bool)
+    if isinstance(v, float) and v.is_integer():
+        v, ok = int(v), True
+    if not ok or not lo <= v <= INT32_MAX:
+        raise ValueError(
+            f"{where}: field '{key}' must be an integer in [{lo}, {INT32_MAX}], got {v!r}"
+        )
+    return v
+
+
+def _num(raw: dict, key: str, where: str, default: float, positive: bool = True) -> float:
+    v = raw.get(key, default)
+    if v is None:
+        v = default
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or (
+        positive and v <= 0
+    ):
+        raise ValueError(f"{where}: field '{key}' must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def _bool(raw: dict, key: str, where: str, default: bool) -> bool:
+    v = raw.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: field '{key}' must be true or false, got {v!r}")
+    return v
+
+
+def token_ids(v: Any, key: str, where: str) -> tuple[int, ...]:
+    """An `eos_token_id`-style field: null, one id or a list of ids (each a non-negative int)."""
+    items = v if isinstance(v, list) else ([] if v is None else [v])
+    for t in items:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT32_MAX:
+            raise ValueError(
+                f"{where}: field '{key}' must be a token id or a list of token ids, got {v!r}"
+            )
+    return tuple(items)
+
+
+_ROPE_NEEDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (),
+}
 
 
 def _from_dict(raw: dict, where: str) -> ModelConfig:
@@ -102,23 +168,37 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM, MistralForCausalLM, "
             "Qwen2ForCausalLM, Qwen3ForCausalLM)"
         )
-    hidden = int(_req(raw, "hidden_size", where))
-    heads = int(_req(raw, "num_attention_heads", where))
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = raw.get("head_dim") or hidden // heads
-    if raw.get("mlp_bias"):
+    hidden = _int(raw, "hidden_size", where)
+    heads = _int(raw, "num_attention_heads", where)
+    kv_heads = _int(raw, "num_key_value_heads", where, default=heads)
+    if raw.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) "
+            "and no head_dim is given"
+        )
+    head_dim = _int(raw, "head_dim", where, default=hidden // heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    if _bool(raw, "mlp_bias", where, False):
         raise ValueError(f"{where}: mlp_bias=true is not supported")
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
 
     # RoPE: transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` and
     # `rope_scaling` with `type` or `rope_type`.
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{where}: field '{key}' must be an object, got {raw[key]!r}")
     rp = dict(raw.get("rope_parameters") or {})
-    if isinstance(rp, dict) and "full_attention" in rp:
+    if isinstance(rp.get("full_attention"), dict):
         rp = dict(rp["full_attention"])
     scaling = dict(raw.get("rope_scaling") or {})
     rp = {**scaling, **rp}
-    theta = float(rp.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    theta = _num({"rope_theta": rp.pop("rope_theta", None) or raw.get("rope_theta")},
+                 "rope_theta", where, 10000.0)  # fmt: skip
     rtype = rp.pop("rope_type", None) or rp.pop("type", None) or "default"
     rp.pop("type", None)
     if rtype not in SUPPORTED_ROPE_TYPES:
@@ -127,42 +207,57 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
             f"{', '.join(SUPPORTED_ROPE_TYPES)} (dynamic NTK scaling changes with the batch's "
             "longest sequence and so cannot be batch-invariant)"
         )
-    rope_scaling = tuple(sorted({"rope_type": rtype, **rp}.items())) if rtype != "default" else ()
+    for k in _ROPE_NEEDS.get(rtype, ()):
+        _req(rp, k, f"{where} (rope {rtype})")
+        _num(rp, k, f"{where} (rope {rtype})", 1.0)
+    for k in ("factor", "attention_factor", "beta_fast", "beta_slow"):
+        if k in rp and rp[k] is not None:
+            _num(rp, k, f"{where} (rope {rtype})", 1.0)
+    try:
+        items = sorted({"rope_type": rtype, **rp}.items())
+        rope_scaling = tuple(items) if rtype != "default" else ()
+        hash(rope_scaling)
+    except TypeError:
+        raise ValueError(f"{where}: rope parameters must be numbers, got {rp!r}") from None
 
     if mt == "qwen2":
         qkv_bias, o_bias = True, False
     elif mt == "mistral":
         qkv_bias = o_bias = False
     else:
-        qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        qkv_bias = o_bias = _bool(raw, "attention_bias", where, False)
 
     sliding = None
     if mt == "mistral" or raw.get("use_sliding_window"):
-        sliding = raw.get("sliding_window")
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = _int(raw, "sliding_window", where, default=0, lo=0) or None
+    eos_ids = token_ids(raw.get("eos_token_id"), "eos_token_id", where)
+    bos = token_ids(raw.get("bos_token_id"), "bos_token_id", where)
+    if len(bos) > 1:
+        raise ValueError(f"{where}: field 'bos_token_id' must be one token id, got {bos!r}")
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if not isinstance(dtype, str):
+        raise ValueError(f"{where}: field 'torch_dtype' must be a string, got {dtype!r}")
     return ModelConfig(
         model_type=mt,
-        vocab_size=int(_req(raw, "vocab_size", where)),
+        vocab_size=_int(raw, "vocab_size", where),
         hidden_size=hidden,
-        intermediate_size=int(_req(raw, "intermediate_size", where)),
-        num_layers=int(_req(raw, "num_hidden_layers", where)),
+        intermediate_size=_int(raw, "intermediate_size", where),
+        num_layers=_int(raw, "num_hidden_layers", where),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        head_dim=head_dim,
+        rms_norm_eps=_num(raw, "rms_norm_eps", where, 1e-6),
         rope_theta=theta,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=_int(raw, "max_position_embeddings", where, default=2048),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", where, False),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=mt == "qwen3",
         rope_scaling=rope_scaling,
-        sliding_window=int(sliding) if sliding else None,
-        bos_token_id=raw.get("bos_token_id"),
+        sliding_window=sliding,
+        bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos_ids,
-        torch_dtype=str(dtype),
+        torch_dtype=dtype,
     )
 
 

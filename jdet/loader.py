@@ -3,7 +3,10 @@
 Why a hand-rolled safetensors reader: the format is a JSON header plus raw little-endian bytes, so
 `np.memmap` gives zero-copy views of every tensor (bf16 through ml_dtypes), the per-layer tensors
 are stacked on the host into the scan layout, and each stacked weight goes to the device once.
-Every inconsistency (missing, unexpected, wrong shape, truncated file) names the tensor.
+Every inconsistency (missing, unexpected, wrong shape, truncated file, corrupt header, bad JSON
+in config.json / generation_config.json / the shard index, a tokenizer that will not load) is a
+ValueError or FileNotFoundError naming the file, the tensor or field, and what was expected.
+(The `safetensors` library's numpy reader has no bfloat16, which most checkpoints use.)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jdet.config import ModelConfig
+from jdet.config import ModelConfig, read_json, token_ids
 from jdet.params import full_shape, set_path, weight_specs
 
 _ST_DTYPES = {
@@ -44,6 +47,7 @@ class Model:
     tokenizer: Any = None
     path: str | None = None
     hf_config: dict | None = None
+    generation_config: dict | None = None  # generation_config.json as loaded (saved back too)
 
     @property
     def dtype(self) -> Any:
@@ -69,38 +73,85 @@ def resolve_dtype(dtype: Any) -> Any:
     return dtype
 
 
+_MAX_HEADER = 100 << 20  # the format's own limit on the JSON header (100 MB)
+
+
 class _SafetensorsFile:
+    """One .safetensors file: its header checked entry by entry, tensors as memmap views."""
+
     def __init__(self, path: Path):
         self.path = path
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than its header)")
+                raise ValueError(
+                    f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte "
+                    "header length); re-download or re-save it"
+                )
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError(f"{path}: truncated safetensors file (header length {n})")
-            header = json.loads(f.read(n))
+            if n > size - 8 or n > _MAX_HEADER:
+                raise ValueError(
+                    f"{path}: corrupt or truncated safetensors file: the header claims {n} bytes "
+                    f"but the file has {size}"
+                )
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"{path}: corrupt safetensors header (not valid JSON: {e}); re-download or "
+                "re-save the file"
+            ) from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
+        for name, info in header.items():
+            self._check_entry(name, info, size - 8 - n)
         self.header = header
         self.data_start = 8 + n
         self.size = size
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self.mm = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + n else None
+
+    def _check_entry(self, name: str, info: Any, data_bytes: int) -> None:
+        bad = f"{self.path}: tensor {name!r} has a corrupt header entry"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise ValueError(f"{bad} (expected dtype, shape and data_offsets), got {info!r:.200}")
+        shape, offs = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(f"{bad}: shape must be a list of non-negative ints, got {shape!r}")
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1]
+        ):
+            raise ValueError(f"{bad}: data_offsets must be [begin, end], got {offs!r}")
+        if offs[1] > data_bytes:
+            raise ValueError(
+                f"{self.path}: tensor {name} ends at byte {8 + offs[1]} of the data but the file "
+                f"has {data_bytes} data bytes (truncated file?)"
+            )
 
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
         if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+            raise ValueError(
+                f"{self.path}: tensor {name} has dtype {info['dtype']!r}, which jdet cannot load; "
+                f"expected one of {sorted(_ST_DTYPES)}"
+            )
         dt = np.dtype(_ST_DTYPES[info["dtype"]])
         b, e = info["data_offsets"]
         shape = tuple(info["shape"])
-        if self.data_start + e > self.size:
-            raise ValueError(
-                f"{self.path}: tensor {name} ends at byte {self.data_start + e} but the file has "
-                f"{self.size} bytes (truncated file?)"
-            )
         if e - b != dt.itemsize * int(np.prod(shape)):
-            raise ValueError(f"{self.path}: tensor {name} byte size does not match shape {shape}")
+            raise ValueError(
+                f"{self.path}: tensor {name} has {e - b} bytes but shape {shape} of "
+                f"{info['dtype']} needs {dt.itemsize * int(np.prod(shape))}"
+            )
+        if e == b:
+            return np.zeros(shape, dt)
         return self.mm[self.data_start + b : self.data_start + e].view(dt).reshape(shape)
 
 
@@ -109,9 +160,19 @@ def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
     index = d / "model.safetensors.index.json"
     files: dict[str, _SafetensorsFile] = {}
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        raw = read_json(index, 'a shard index {"weight_map": {tensor: file}}')
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise ValueError(
+                f"{index}: field 'weight_map' must map tensor names to file names, got "
+                f"{weight_map!r:.200}"
+            )
         opened: dict[str, _SafetensorsFile] = {}
         for name, fname in weight_map.items():
+            if Path(fname).name != fname:
+                raise ValueError(f"{index}: shard {fname!r} must be a file name in {d}")
             if fname not in opened:
                 fp = d / fname
                 if not fp.exists():
@@ -188,11 +249,23 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
 
 
 def load_tokenizer(d: Path) -> Any:
-    if not (d / "tokenizer.json").exists() and not (d / "tokenizer_config.json").exists():
+    """The directory's tokenizer, or None if it has no tokenizer files at all."""
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if not any((d / f).exists() for f in files):
         return None
+    for f in (*files, "special_tokens_map.json"):
+        if (d / f).exists():
+            read_json(d / f, "a Hugging Face tokenizer file")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(d))
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; name the directory
+        raise ValueError(
+            f"{d}: the tokenizer files ({', '.join(f for f in files if (d / f).exists())}) do not "
+            f"load ({type(e).__name__}: {str(e)[:300]}); fix or remove them (without tokenizer "
+            "files the model takes token ids only)"
+        ) from None
 
 
 def load(
@@ -215,20 +288,31 @@ def load(
             f"{d} has no config.json: expected a Hugging Face model directory (config.json + "
             "*.safetensors) or a checkpoint written by jdet.save()"
         )
-    raw = json.loads((d / "config.json").read_text())
-    cfg = _with_generation_eos(ModelConfig.from_hf(raw), d)
+    raw = read_json(d / "config.json", "a Hugging Face config.json")
+    gen = _generation_config(d)
+    cfg = _with_generation_eos(ModelConfig.from_hf(d / "config.json"), gen, d)
     params = load_hf_params(d, cfg, dtype, progress)
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw,
+                 generation_config=gen)  # fmt: skip
 
 
 def save(model: Model, path: str | Path) -> Path:
-    """Save natively: orbax params + config.json + tokenizer files; `load(path)` reads it back."""
+    """Save natively: orbax params + config.json + generation_config.json (the EOS ids, which
+    change where generation stops) + tokenizer files with the chat template; `load(path)` reads
+    it back to a model with the same bits and the same `system_fingerprint`. Relative paths
+    are fine (orbax wants absolute ones; they are resolved here)."""
     import orbax.checkpoint as ocp
 
     d = Path(path).absolute()
     d.mkdir(parents=True, exist_ok=True)
     raw = model.hf_config or _hf_config_from(model.cfg)
     (d / "config.json").write_text(json.dumps(raw, indent=2))
+    gen = dict(model.generation_config or {})
+    cfg_eos = list(ModelConfig.from_hf(raw).eos_token_ids)
+    if list(model.cfg.eos_token_ids) != cfg_eos or gen:
+        # what load() merges back into cfg.eos_token_ids: config.json's ids, then these
+        gen["eos_token_id"] = list(model.cfg.eos_token_ids)
+        (d / "generation_config.json").write_text(json.dumps(gen, indent=2))
     ckpt = ocp.StandardCheckpointer()
     target = d / "params"
     if target.exists():
@@ -247,26 +331,53 @@ def save(model: Model, path: str | Path) -> Path:
 def _load_native(d: Path, dtype: Any) -> Model:
     import orbax.checkpoint as ocp
 
-    raw = json.loads((d / "config.json").read_text())
-    cfg = _with_generation_eos(ModelConfig.from_hf(raw), d)
+    d = d.absolute()  # orbax refuses relative paths
+    raw = read_json(d / "config.json", "the config.json written by jdet.save()")
+    cfg = ModelConfig.from_hf(d / "config.json")
+    gen = _generation_config(d)
+    cfg = _with_generation_eos(cfg, gen, d)
     from jdet.params import abstract_params
 
-    saved_dtype = json.loads((d / NATIVE_MARKER).read_text()).get("dtype", "bfloat16")
+    meta = read_json(d / NATIVE_MARKER, "the marker jdet.save() writes")
+    saved_dtype = meta.get("dtype", "bfloat16") if isinstance(meta, dict) else None
+    if saved_dtype not in _DTYPES:
+        raise ValueError(
+            f"{d / NATIVE_MARKER}: field 'dtype' must be one of {sorted(_DTYPES)}, got "
+            f"{saved_dtype!r}"
+        )
+    if not (d / "params").is_dir():
+        raise FileNotFoundError(f"{d / 'params'} is missing: the checkpoint's weights are gone")
     target = abstract_params(cfg, jnp.dtype(saved_dtype))
-    params = ocp.StandardCheckpointer().restore(d / "params", target)
+    try:
+        params = ocp.StandardCheckpointer().restore(d / "params", target)
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds; name the checkpoint
+        raise ValueError(
+            f"{d / 'params'}: the saved weights do not match {d / 'config.json'} or are damaged "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from None
     if jnp.dtype(saved_dtype) != jnp.dtype(dtype):
         params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw)
+    return Model(cfg=cfg, params=params, tokenizer=load_tokenizer(d), path=str(d), hf_config=raw,
+                 generation_config=gen)  # fmt: skip
 
 
-def _with_generation_eos(cfg: ModelConfig, d: Path) -> ModelConfig:
-    """Add generation_config.json's eos ids (HF models often keep the chat EOS only there)."""
+def _generation_config(d: Path) -> dict | None:
     f = d / "generation_config.json"
     if not f.exists():
+        return None
+    gen = read_json(f, "a Hugging Face generation_config.json")
+    if not isinstance(gen, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(gen).__name__}")
+    token_ids(gen.get("eos_token_id"), "eos_token_id", str(f))
+    return gen
+
+
+def _with_generation_eos(cfg: ModelConfig, gen: dict | None, d: Path) -> ModelConfig:
+    """Add generation_config.json's eos ids (HF models often keep the chat EOS only there)."""
+    if not gen:
         return cfg
-    eos = json.loads(f.read_text()).get("eos_token_id")
-    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *map(int, extra)]))
+    extra = token_ids(gen.get("eos_token_id"), "eos_token_id", str(d / "generation_config.json"))
+    ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
     return dataclasses.replace(cfg, eos_token_ids=ids)
 
 
