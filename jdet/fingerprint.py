@@ -1,7 +1,10 @@
 """`system_fingerprint`: equal fingerprint + equal request => equal output (DESIGN §1).
 
-It hashes everything the bits depend on: the weights, the config, the invariance mode, the kernel
-plan (attention partition size, page size, TP size), the jdet version, and the backend/device kind.
+It hashes everything the bits depend on: the weights, the config (EOS ids included: they decide
+where generation stops), the invariance mode, the kernel plan (attention partition size, page
+size, TP size), the jdet version, the JAX and jaxlib versions (a compiler change can change
+bits), the kernel backend (Mosaic GPU, Pallas Triton, Pallas interpret, or the CPU's fixed-order
+XLA path: each has its own bits) and the device kind.
 """
 
 from __future__ import annotations
@@ -11,8 +14,21 @@ import json
 from typing import Any
 
 import jax
+import jaxlib
 
 from jdet.version import __version__
+
+
+def kernel_backend() -> str:
+    """The name of the kernel implementation the invariant modes run on this process."""
+    from pallas_kernels import _platform
+
+    named = getattr(_platform, "kernel_backend", None)
+    if named is not None:
+        return named()
+    if _platform.interpret_default():
+        return "pallas-interpret"
+    return "mosaic-gpu" if _platform.is_hopper() else f"pallas-{_platform.platform()}"
 
 
 def fingerprint(
@@ -30,6 +46,9 @@ def fingerprint(
             "tp": tp if invariance != "tp" else "any",
         },
         "jdet": __version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "kernel_backend": kernel_backend(),
         "backend": dev.platform,
         "device_kind": dev.device_kind,
     }
