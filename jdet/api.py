@@ -7,6 +7,7 @@ generation, scoring and the server share the scheduler, the prefix cache and the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,18 @@ class LLM:
         num_pages: int | None = None,
         enable_prefix_caching: bool = True,
         dtype: str = "bfloat16",
+        compile_cache: bool | str | Path = True,
+        warmup: bool | None = None,
+        min_tokens_bucket: int = 16,
+        min_seqs_bucket: int = 1,
+        min_pages_bucket: int = 32,
     ) -> None:
+        """`min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
+        `compile_cache`: JAX's persistent compilation cache (True: `$JDET_CACHE_DIR` or
+        ~/.cache/jdet/xla; a directory; False: off). `warmup`: compile every step shape on the
+        first generate/stream (and every score shape on the first score), with a progress bar,
+        so no call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes
+        then compile when first met)."""
         self.model = model if isinstance(model, Model) else load(model, dtype=dtype)
         self.cfg = self.model.cfg
         self.invariance = check_mode(invariance)
@@ -68,7 +80,14 @@ class LLM:
             page_size=page_size,
             num_pages=num_pages,
             enable_prefix_caching=enable_prefix_caching,
+            compile_cache=compile_cache,
+            min_tokens_bucket=min_tokens_bucket,
+            min_seqs_bucket=min_seqs_bucket,
+            min_pages_bucket=min_pages_bucket,
         )
+        if warmup is None:
+            warmup = os.environ.get("JDET_WARMUP", "1") != "0"
+        self.warmup = warmup
         self.tp = tp
         self.page_size = page_size
         self.max_model_len = self.engine.max_model_len
@@ -128,6 +147,7 @@ class LLM:
         from serving import llm_backend
 
         strs = [p if isinstance(p, str) else None for p in prompts]
+        self._warm("step")
         return llm_backend.generate(self.engine, ids, sp_list, prompts=strs, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
@@ -137,6 +157,7 @@ class LLM:
         sp = sampling_params or SamplingParams()
         ids = self.encode(prompt)
         self._check_len(len(ids) + sp.max_tokens, f"prompt plus max_tokens={sp.max_tokens}")
+        self._warm("step")
         yield from llm_backend.stream(self.engine, ids, sp)
 
     def score(self, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -152,7 +173,13 @@ class LLM:
             self._check_len(len(s), f"sequence {i}")
         from serving import llm_backend
 
+        self._warm("score")
         return llm_backend.score(self.engine, seqs)
+
+    def _warm(self, kind: str) -> None:
+        """First use of an entry point: compile all its shapes now (progress bar on stderr)."""
+        if self.warmup and kind not in self.engine.warm:
+            self.engine.warmup(kind, progress=True)
 
     def fingerprint(self) -> str:
         from jdet.fingerprint import fingerprint

@@ -17,6 +17,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="persistent XLA compilation cache (default: $JDET_CACHE_DIR or ~/.cache/jdet/xla)",
+    )
+    p.add_argument("--no-compile-cache", action="store_true", help="no persistent cache")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -29,7 +35,14 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         page_size=a.page_size,
         num_pages=a.num_pages,
         enable_prefix_caching=not a.no_prefix_caching,
+        compile_cache=compile_cache_setting(a),
     )
+
+
+def compile_cache_setting(a: argparse.Namespace) -> bool | str:
+    if a.no_compile_cache and a.compile_cache_dir:
+        raise ValueError("give --compile-cache-dir or --no-compile-cache, not both")
+    return False if a.no_compile_cache else (a.compile_cache_dir or True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,6 @@ import numpy as np
 
 from serving.block_manager import cdiv
 from serving.engine import Engine
-from serving.model_runner import pow2_bucket
 from serving.sequence import SamplingOptions
 from serving.sequence import Sequence as Seq
 
@@ -99,10 +98,11 @@ def stream(engine: Engine, prompt_token_ids: Sequence[int], sampling_params: Any
 def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher-forced log-probs: out[b][i - 1] = log p(tokens[i] | tokens[:i]) for i >= 1.
 
-    Runs the same step bucketing, the same kernels and the same KV cache as generation. Many
-    sequences share each step (packed up to `max_num_batched_tokens` tokens, long ones chunked),
-    as a trainer's batch would: in the invariant modes the result is bitwise the sampler's
-    log-probs however the sequences are packed.
+    Runs the same shape set, the same kernels and the same KV cache as generation; the score
+    function's shapes are compiled on its first use (`Engine.warmup("score")`). Many sequences
+    share each step (packed up to `max_num_batched_tokens` tokens and `max_num_seqs` sequences,
+    long ones chunked), as a trainer's batch would: in the invariant modes the result is bitwise
+    the sampler's log-probs however the sequences are packed.
     """
     from jdet.batch import build_batch
 
@@ -111,6 +111,7 @@ def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray
     bm, runner, B = engine.block_manager, engine.runner, engine.page_size
     fn = runner.score_step()
     budget = engine.max_num_batched_tokens
+    max_seqs = runner.shapes.max_seqs  # a step's sequences, as for generation
     seqs = [[int(t) for t in toks] for toks in token_ids]
     for b, toks in enumerate(seqs):
         if len(toks) > engine.max_model_len:
@@ -139,7 +140,7 @@ def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray
             while work:
                 step, used, rest = [], 0, []
                 for b, start, end in work:
-                    n = min(end - start, budget - used)
+                    n = min(end - start, budget - used) if len(step) < max_seqs else 0
                     if n > 0:
                         step.append((b, start, n))
                         used += n
@@ -147,10 +148,8 @@ def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray
                         rest.append((b, start + n, end))
                 work = rest
                 items = [(seqs[b][st : st + n], st, pages[b]) for b, st, n in step]
-                Tp = pow2_bucket(used, runner.min_tokens_bucket, runner.max_tokens_bucket)
-                Sp = pow2_bucket(len(step), runner.min_seqs_bucket, runner.max_seqs_bucket)
                 Pm = max(len(p) for _, _, p in items)
-                Pp = pow2_bucket(Pm, runner.min_pages_bucket, runner.max_pages)
+                Tp, Sp, Pp = runner.shapes.fit(used, len(step), Pm)  # the warmed-up set
                 batch, _ = build_batch(items, B, logits="all", pad_tokens=Tp, pad_seqs=Sp,
                                        pad_pages=Pp)  # fmt: skip
                 rows = np.zeros(Tp, np.int32)

@@ -1,10 +1,23 @@
 """Scheduled sequences -> one padded `StepBatch` + `SamplingInputs` -> the jitted step.
 
-Why buckets: every distinct (T, S, N, Pmax) compiles the step once, so the token count T is padded
-to a power of two from `min_tokens` up to `max_num_batched_tokens`, the sequence count S (= N, one
-logits row per sequence) to a power of two up to `max_num_seqs`, and the page-table width Pmax to a
-power of two up to the pages of `max_model_len`. Padding never changes a real row's bits: the
-kernels' reduction plans do not depend on T or S (DESIGN §1).
+Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once, and a
+compile costs seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
+runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
+- T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
+  last bucket): 16, 32, ..., 512 by default, 6 buckets;
+- S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
+  No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs;
+- Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
+  maximum (a last geometric bucket above half the maximum merges into it): 32, 128, 512 pages
+  for max_model_len 8192 at page size 16, i.e. 3 buckets.
+So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
+function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
+attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
+at once), and the "none" baseline gathers all Pmax pages per token, whose cost grows linearly.
+Padding cost, measured (benchmarks/ready_bench.py, BENCHMARKS.md "Start-up and shape set"): the
+throughput at these shapes against exact (unpadded) shapes.
+Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
+Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
 
 Why `dispatch` and `fetch` are separate: JAX dispatch is asynchronous, so the engine dispatches
 step n, does the host work of step n-1 (detokenisation, stop strings, streaming) while the device
@@ -13,6 +26,8 @@ runs, and only then blocks on step n's tokens. The KV cache is donated, so it is
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +44,74 @@ def pow2_bucket(n: int, minimum: int, maximum: int) -> int:
     while b < n:
         b *= 2
     return min(b, maximum) if n <= maximum else n
+
+
+PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeSet:
+    """Every (T, S, Pmax) an engine's step may run with (module docstring: why these)."""
+
+    tokens: tuple[int, ...]  # ascending; the last is max_num_batched_tokens
+    pages: tuple[int, ...]  # ascending; the last is the pages of max_model_len
+    min_seqs: int
+    max_seqs: int
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_pages: int,
+        min_tokens_bucket: int = 16,
+        min_seqs_bucket: int = 1,
+        min_pages_bucket: int = 32,
+    ) -> ShapeSet:
+        for name, v in (
+            ("min_tokens_bucket", min_tokens_bucket),
+            ("min_seqs_bucket", min_seqs_bucket),
+            ("min_pages_bucket", min_pages_bucket),
+        ):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        tokens, t = [], min(min_tokens_bucket, max_num_batched_tokens)
+        while t < max_num_batched_tokens:
+            tokens.append(t)
+            t *= 2
+        pages, p = [], min(min_pages_bucket, max_pages)
+        while p < max_pages:
+            pages.append(p)
+            p *= PAGES_BUCKET_FACTOR
+        if len(pages) > 1 and pages[-1] * 2 > max_pages:
+            pages.pop()  # within 2x of the maximum: the maximum serves it
+        return cls(
+            tuple(tokens) + (max_num_batched_tokens,),
+            tuple(pages) + (max_pages,),
+            min(min_seqs_bucket, max_num_seqs),
+            max_num_seqs,
+        )
+
+    def seqs(self, tokens_bucket: int) -> int:
+        """S for a token bucket: >= every step's sequence count (S <= T, S <= max_num_seqs)."""
+        return min(max(tokens_bucket, self.min_seqs), self.max_seqs)
+
+    def fit(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        """The (T, S, Pmax) bucket of a step; a step outside the set is a bug, not a compile."""
+        t = next((b for b in self.tokens if b >= num_tokens), None)
+        p = next((b for b in self.pages if b >= num_pages), None)
+        if t is None or p is None or num_seqs > min(num_tokens, self.max_seqs):
+            raise ValueError(
+                f"a step of {num_tokens} tokens, {num_seqs} sequences and {num_pages} pages is "
+                f"outside the engine's shape set (tokens {self.tokens}, pages {self.pages}, "
+                f"at most {self.max_seqs} sequences)"
+            )
+        return t, self.seqs(t), p
+
+    def all(self) -> list[tuple[int, int, int]]:
+        """Every shape, small first (what warm-up compiles)."""
+        return [(t, self.seqs(t), p) for p in self.pages for t in self.tokens]
 
 
 def default_num_pages(
@@ -89,8 +172,8 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         min_tokens_bucket: int = 16,
-        min_seqs_bucket: int = 8,
-        min_pages_bucket: int = 4,
+        min_seqs_bucket: int = 1,
+        min_pages_bucket: int = 32,
         kv_dtype: Any = None,
         step_fn: Callable | None = None,
         tp: int = 1,
@@ -101,12 +184,15 @@ class ModelRunner:
         self.cfg = model.cfg
         self.params = model.params
         self.page_size = page_size
-        self.max_tokens_bucket = max_num_batched_tokens
-        self.max_seqs_bucket = max_num_seqs
         self.max_pages = cdiv(max_model_len, page_size)
-        self.min_tokens_bucket = min(min_tokens_bucket, max_num_batched_tokens)
-        self.min_seqs_bucket = min(min_seqs_bucket, max_num_seqs)
-        self.min_pages_bucket = min(min_pages_bucket, self.max_pages)
+        self.shapes = ShapeSet.build(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_pages=self.max_pages,
+            min_tokens_bucket=min_tokens_bucket,
+            min_seqs_bucket=min_seqs_bucket,
+            min_pages_bucket=min_pages_bucket,
+        )
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
         if sharded is None:
@@ -141,11 +227,7 @@ class ModelRunner:
         B = self.page_size
         T = sum(n for _, n in plan)
         S = len(plan)
-        Tp = pow2_bucket(T, self.min_tokens_bucket, self.max_tokens_bucket)
-        Sp = pow2_bucket(S, self.min_seqs_bucket, self.max_seqs_bucket)
-        Pp = pow2_bucket(
-            max(len(s.block_table) for s, _ in plan), self.min_pages_bucket, self.max_pages
-        )
+        Tp, Sp, Pp = self.shapes.fit(T, S, max(len(s.block_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
         tok = np.zeros(Tp, np.int32)
         pos = np.zeros(Tp, np.int32)
@@ -183,47 +265,72 @@ class ModelRunner:
         )
         return batch, sampling
 
-    def token_buckets(self) -> list[int]:
-        out, b = [], self.min_tokens_bucket
-        while b < self.max_tokens_bucket:
-            out.append(b)
-            b *= 2
-        return out + [self.max_tokens_bucket]
-
-    def warmup(self) -> int:
-        """Compile the step for every token bucket at the largest S and Pmax buckets (the shapes a
-        busy server uses; with `min_seqs_bucket == max_num_seqs` and `min_pages_bucket` at the
-        maximum these are the only shapes). Writes junk K/V into free pages: call it before any
-        request. Returns the number of shapes compiled."""
+    def warmup_batch(self, shape: tuple[int, int, int], kind: str = "step") -> tuple[Any, Any]:
+        """A junk batch of `shape` (T, S, Pmax) that writes no K/V (every slot -1), so warming
+        up never touches a page the prefix cache or a running sequence holds. One sequence of
+        min(T, Pmax * B) tokens; the rest is padding. For "score" the second item is the
+        targets [T], for "step" the SamplingInputs [S] (top-p on, so nothing is left out)."""
         from jdet.batch import StepBatch
         from jdet.step import SamplingInputs
 
-        B, Sp, Pp = self.page_size, self.max_seqs_bucket, self.max_pages
-        for Tp in self.token_buckets():
-            n = min(Tp, Pp * B)  # tokens per sequence; sequences share pages 0.. (junk writes)
-            S = min(Sp, -(-Tp // n))
-            tok = np.arange(Tp, dtype=np.int32) % self.cfg.vocab_size
-            pos = np.arange(Tp, dtype=np.int32) % n
-            slot = pos.copy()
-            qs = np.full(Sp + 1, Tp, np.int32)
-            qs[: S + 1] = np.minimum(np.arange(S + 1) * n, Tp)
-            cl = np.zeros(Sp, np.int32)
-            cl[:S] = np.diff(qs[: S + 1])
-            pt = np.tile(np.arange(Pp, dtype=np.int32), (Sp, 1))
-            rows = np.zeros(Sp, np.int32)
-            rows[:S] = qs[1 : S + 1] - 1
-            z = np.zeros(Sp, np.float32)
-            sampling = SamplingInputs(
-                temperature=z + 1,
-                top_k=np.zeros(Sp, np.int32),
-                top_p=z + 0.9,
-                seed=np.zeros(Sp, np.uint32),
-                position=cl.copy(),
-            )
-            out = self.dispatch(StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling)
-            jax.block_until_ready(out.tokens)
-            self.shapes_seen.add((Tp, Sp, Pp))
-        return len(self.token_buckets())
+        Tp, Sp, Pp = shape
+        n = min(Tp, Pp * self.page_size)
+        tok = np.arange(Tp, dtype=np.int32) % self.cfg.vocab_size
+        pos = np.minimum(np.arange(Tp, dtype=np.int32), n - 1)
+        slot = np.full(Tp, -1, np.int32)
+        qs = np.full(Sp + 1, n, np.int32)
+        qs[0] = 0
+        cl = np.zeros(Sp, np.int32)
+        cl[0] = n
+        pt = np.tile(np.arange(Pp, dtype=np.int32), (Sp, 1))
+        if kind == "score":
+            rows = np.minimum(np.arange(Tp, dtype=np.int32), n - 1)
+            return StepBatch(tok, pos, slot, qs, cl, pt, rows), tok.copy()
+        rows = np.zeros(Sp, np.int32)
+        rows[0] = n - 1
+        z = np.zeros(Sp, np.float32)
+        sampling = SamplingInputs(
+            temperature=z + 1,
+            top_k=np.zeros(Sp, np.int32),
+            top_p=z + 0.9,
+            seed=np.zeros(Sp, np.uint32),
+            position=cl.copy(),
+        )
+        return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling
+
+    def warmup(self, kind: str = "step", progress: bool = True, should_stop: Any = None) -> float:
+        """Compile (or load from the persistent cache) `kind` ("step" or "score") for every shape
+        of the set, running each once on a junk batch that writes nothing: safe at any time.
+        Shows a tqdm bar naming shape k of n and the seconds taken. Returns the seconds."""
+        shapes = self.shapes.all()
+        fn = self.score_step() if kind == "score" else self.step_fn
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(shapes), desc=f"jdet: compiling {kind} shapes", unit="shape")
+        t_all = time.perf_counter()
+        try:
+            for k, shape in enumerate(shapes):
+                if should_stop is not None and should_stop():
+                    break
+                t0 = time.perf_counter()
+                batch, extra = self.warmup_batch(shape, kind)
+                self.kv, out = fn(self.params, self.kv, batch, extra)
+                jax.block_until_ready(out)
+                if kind == "step":
+                    self.shapes_seen.add(shape)
+                if bar is not None:
+                    T, S, P = shape
+                    bar.set_postfix_str(
+                        f"shape {k + 1}/{len(shapes)} T={T} S={S} Pmax={P}: "
+                        f"{time.perf_counter() - t0:.1f}s"
+                    )
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return time.perf_counter() - t_all
 
     # ------------------------------------------------------------------ device side
     def dispatch(self, batch: Any, sampling: Any) -> Any:

@@ -10,6 +10,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# jdet's persistent compilation cache goes to a per-process temporary directory, never the
+# user's ~/.cache/jdet; jdet.LLM's start-up compile of every shape is off (tests that check it
+# turn it on), since interpreted kernels compile slowly on the CI's CPU.
+if "JDET_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JDET_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdet-xla-test-")
+    atexit.register(shutil.rmtree, os.environ["JDET_CACHE_DIR"], True)
+os.environ.setdefault("JDET_WARMUP", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

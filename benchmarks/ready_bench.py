@@ -1,0 +1,208 @@
+"""Time-to-ready and the price of a bounded shape set; writes `ready_bench.json`.
+
+1. Time-to-ready, first start and second start: each in a fresh process, from the interpreter's
+   start to an engine whose every step shape is compiled (what `jdet serve` does before /health
+   says 200): imports, random weights of the shape, the engine (KV pool), `Engine.warmup()`.
+   The first start runs on an empty persistent compilation cache, the second on the cache the
+   first one wrote. Also reported: the warm-up alone, shapes, compilations and cache hits.
+2. Padding cost: device time of representative steps at the shape-set bucket the engine would
+   pick against the exact (unpadded) shape (compiled once just for this), same data, same run.
+   Rows: decode at batch 1, 8 and 64 (ctx 1024), one prefill chunk, a mixed decode+prefill step.
+
+Weights are random with the shapes of Qwen3-0.6B/8B (benchmarks/serve_bench.py). On a CPU
+`--smoke` runs the tiny shape in seconds.
+
+    PYTHONPATH=. python -m benchmarks.ready_bench --out out --shape 8b [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+_T0 = time.perf_counter()  # the child's clock starts at its import of this module
+
+
+def engine_settings(a: argparse.Namespace) -> dict:
+    return dict(
+        invariance=a.mode, max_num_batched_tokens=a.budget, max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len, page_size=a.page_size, num_pages=a.num_pages,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- 1. one start (child)
+def start(a: argparse.Namespace) -> dict:
+    """One start from scratch in this process; the padding rows when asked for."""
+    from jdet import compile_cache as cc
+
+    cc.enable(a.cache_dir)  # before the weights are made: their compiles are cached too
+    cc.install_counter()
+    import jax
+
+    from benchmarks.serve_bench import random_model
+    from serving.engine import Engine
+
+    t_imp = time.perf_counter() - _T0
+    model = random_model(a.shape, a.dtype, max_len=max(a.max_model_len, 4096))
+    jax.block_until_ready(model.params)
+    t_model = time.perf_counter() - _T0
+    eng = Engine(model, **engine_settings(a), compile_cache=a.cache_dir)
+    t_engine = time.perf_counter() - _T0
+    warm = eng.warmup("step", progress=False)
+    ready = time.perf_counter() - _T0
+    s = cc.stats()
+    res = {
+        "time_to_ready_s": ready, "imports_s": t_imp, "model_s": t_model - t_imp,
+        "engine_s": t_engine - t_model, "warmup_s": warm,
+        "shapes": len(eng.runner.shapes.all()), "shape_set": {
+            "tokens": eng.runner.shapes.tokens, "pages": eng.runner.shapes.pages,
+            "max_seqs": eng.runner.shapes.max_seqs},
+        "compiles": s.compiles, "compile_s": s.seconds, "cache_hits": s.cache_hits,
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    }  # fmt: skip
+    if a.padding:
+        res["padding"] = padding(eng, a)
+    return res
+
+
+# ---------------------------------------------------------------------- 2. padding cost
+def _batch(seqs: list[tuple[int, int]], page_size: int, pad: tuple[int, int, int] | None,
+           vocab: int, num_pages: int) -> tuple[Any, Any]:  # fmt: skip
+    """(new tokens, start position) per sequence -> StepBatch + greedy SamplingInputs, padded to
+    `pad` (T, S, Pmax) or exact (None). Sequence i reads pages i * 64, ... (mod the pool): junk
+    K/V, only the time matters."""
+    from jdet.batch import build_batch
+    from jdet.step import SamplingInputs
+
+    rng = np.random.default_rng(0)
+    items = []
+    for i, (n, start) in enumerate(seqs):
+        pages = [(i * 64 + j) % num_pages for j in range(-(-(start + n) // page_size))]
+        items.append((rng.integers(1, vocab, n).tolist(), start, pages))
+    T, S = sum(n for n, _ in seqs), len(seqs)
+    Tp, Sp, Pp = pad or (T, S, max(len(p) for _, _, p in items))
+    batch, _ = build_batch(items, page_size, pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)
+    rows = np.zeros(Sp, np.int32)
+    rows[:S] = batch.logits_rows
+    batch.logits_rows = rows
+    pos = np.zeros(Sp, np.int32)
+    pos[:S] = [start + n for n, start in seqs]
+    z = np.zeros(Sp, np.float32)
+    sampling = SamplingInputs(temperature=z, top_k=np.zeros(Sp, np.int32), top_p=z + 1,
+                              seed=np.zeros(Sp, np.uint32), position=pos)  # fmt: skip
+    return batch, sampling
+
+
+def padding(eng: Any, a: argparse.Namespace) -> list[dict]:
+    import jax
+
+    r = eng.runner
+    B, V = r.page_size, r.cfg.vocab_size
+    ctx = a.decode_ctx
+    cases = {
+        "decode b=1": [(1, ctx)],
+        "decode b=8": [(1, ctx)] * 8,
+        "decode b=64": [(1, ctx)] * 64,
+        "prefill 300": [(300, 0)],
+        "mixed 32 decodes + 200 prefill": [(1, ctx)] * 32 + [(200, 0)],
+    }
+    rows = []
+    for name, seqs in cases.items():
+        T, S = sum(n for n, _ in seqs), len(seqs)
+        if T > a.budget or S > a.max_num_seqs:
+            continue
+        P = -(-(max(n + s for n, s in seqs)) // B)
+        fixed = r.shapes.fit(T, S, P)
+        row: dict[str, Any] = {"case": name, "exact": (T, S, P), "fixed": fixed}
+        for label, pad in (("exact", None), ("fixed", fixed)):
+            batch, sampling = _batch(seqs, B, pad, V, eng.block_manager.num_pages)
+            t0 = time.perf_counter()
+            r.kv, out = r.step_fn(r.params, r.kv, batch, sampling)  # compile (exact) or not
+            jax.block_until_ready(out)
+            row[f"{label}_first_call_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(a.reps):
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    r.kv, out = r.step_fn(r.params, r.kv, batch, sampling)
+                jax.block_until_ready(out)
+                times.append((time.perf_counter() - t0) / a.iters)
+            row[f"{label}_step_s"] = float(np.median(times))
+        row["fixed_over_exact"] = row["fixed_step_s"] / row["exact_step_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------- driver
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ready_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="out")
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mode", default="tp")
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--num-pages", type=int, default=3600,
+        help="pinned, since a pool size is a shape (8B: below the kernel's 2**31-element cap)",
+    )  # fmt: skip
+    p.add_argument("--decode-ctx", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--padding", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="tiny model on a CPU")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    if a.smoke:
+        a.shape, a.dtype, a.budget, a.max_num_seqs = "tiny", "float32", 32, 8
+        a.max_model_len, a.page_size, a.num_pages, a.decode_ctx = 128, 8, 600, 40
+        a.iters, a.reps = 2, 2
+    if a.child:
+        print("RESULT " + json.dumps(start(a)), flush=True)
+        return 0
+    cache = a.cache_dir or tempfile.mkdtemp(prefix="jdet-ready-")
+    base = [sys.executable, "-m", "benchmarks.ready_bench", "--child", "--cache-dir", cache]
+    base += [x for x in argv if x not in ("--child",)]
+    res: dict[str, Any] = {"settings": vars(a), "commit": os.environ.get("JDET_COMMIT")}
+    os.makedirs(a.out, exist_ok=True)
+    for name, extra in (("first_start", []), ("second_start", ["--padding"])):
+        p = subprocess.run(base + extra, capture_output=True, text=True, check=False)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            res[name + "_error"] = (p.stdout + p.stderr)[-4000:]
+            print(res[name + "_error"], file=sys.stderr)
+            break
+        res[name] = json.loads(line[-1][len("RESULT ") :])
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "padding"}),
+              flush=True)  # fmt: skip
+        with open(os.path.join(a.out, "ready_bench.json"), "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+    if "second_start" in res:
+        f, s = res["first_start"], res["second_start"]
+        res["second_over_first"] = s["time_to_ready_s"] / f["time_to_ready_s"]
+        res["warmup_second_over_first"] = s["warmup_s"] / f["warmup_s"]
+        print(json.dumps({k: res[k] for k in ("second_over_first", "warmup_second_over_first")}))
+    with open(os.path.join(a.out, "ready_bench.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""JAX's persistent compilation cache for jdet, and a process-wide compile counter.
+
+Why a persistent cache: every process start used to recompile every step shape (seconds each on
+an 8B model). With the cache on, a restart of the same model loads the executables from disk.
+
+Where: `$JDET_CACHE_DIR` if set, else `~/.cache/jdet/xla`; `jdet.LLM(compile_cache=...)`,
+`Engine(compile_cache=...)` and `jdet serve --compile-cache-dir DIR | --no-compile-cache` move or
+disable it. A directory the user already gave JAX (`jax_compilation_cache_dir`) is kept when jdet
+is asked for its default.
+
+What the key covers (JAX's own key, jax/_src/cache_key.py): the lowered HLO module — which holds
+the Pallas kernels' payloads (Triton IR on the Triton backend, the serialized Mosaic module on
+Mosaic GPU, plain HLO in interpret mode on CPU), so any change of a kernel or its tile plan is a
+different key — plus the jaxlib version, the backend platform and its version, the XLA flags, the
+compile options and the device kind/count. jdet adds nothing of its own to the executable, so
+nothing else can change it. Model weights are arguments, never constants, so one entry serves any
+checkpoint of the same shapes.
+
+Thresholds: JAX caches only compiles longer than 1 s by default; jdet sets the minimum compile
+time to 0 and lifts the entry-size floor, so the small CPU compiles (tests, tiny models) are
+cached too and a warm restart compiles nothing at all.
+
+Compile counter: `stats()` counts backend compilations of this process from `jax.monitoring`
+events ('/jax/core/compile/backend_compile_duration', which fires for every executable JAX
+builds, a persistent-cache load included, and '/jax/compilation_cache/cache_hits' for the loads).
+The server exports them on /metrics; the tests assert the count does not move after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+CacheSetting = bool | str | os.PathLike | None
+
+
+def default_dir() -> Path:
+    """`$JDET_CACHE_DIR`, else `~/.cache/jdet/xla`."""
+    env = os.environ.get("JDET_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "jdet" / "xla"
+
+
+_enabled_by_jdet: Path | None = None
+_lock = threading.Lock()
+
+
+def enable(setting: CacheSetting = True) -> Path | None:
+    """Turn the persistent cache on (True: the default directory; a path: there) or off (False
+    or None); returns the directory in use. Call before the compiles it should cover; a process
+    that already compiled is switched over too (JAX decides once per process otherwise)."""
+    global _enabled_by_jdet
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    with _lock:
+        current = jax.config.jax_compilation_cache_dir
+        if setting is False or setting is None:
+            if current and _enabled_by_jdet is not None and Path(current) == _enabled_by_jdet:
+                jax.config.update("jax_compilation_cache_dir", None)
+                cc.reset_cache()
+            _enabled_by_jdet = None
+            return None
+        if setting is True:
+            if current and (_enabled_by_jdet is None or Path(current) != _enabled_by_jdet):
+                return Path(current)  # the user's own JAX setting wins over jdet's default
+            path = default_dir()
+        else:
+            path = Path(setting).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        if current == str(path):
+            return path
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        cc.reset_cache()  # JAX checks "is the cache used" once per process: ask again
+        _enabled_by_jdet = path
+        return path
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileStats:
+    """Backend compilations of this process so far (persistent-cache loads included)."""
+
+    compiles: int
+    seconds: float
+    cache_hits: int
+
+
+_counts = {"compiles": 0, "seconds": 0.0, "cache_hits": 0}
+_installed = False
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+        _counts["compiles"] += 1
+        _counts["seconds"] += float(duration)
+
+
+def _on_event(event: str, **_: object) -> None:
+    if event == CACHE_HIT_EVENT:
+        _counts["cache_hits"] += 1
+
+
+def install_counter() -> None:
+    """Register the jax.monitoring listeners (once per process)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            jax.monitoring.register_event_listener(_on_event)
+            _installed = True
+
+
+def stats() -> CompileStats:
+    install_counter()
+    return CompileStats(_counts["compiles"], _counts["seconds"], _counts["cache_hits"])

@@ -1,0 +1,181 @@
+"""No compile stalls: after warm-up, no request mix compiles anything; the server is not ready
+before it is warm; the persistent compilation cache changes no bits across processes.
+
+Compilations are counted from `jax.monitoring` events (jdet/compile_cache.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jdet
+from jdet import compile_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+MODE = "tp"  # the default mode, on the sharded runtime
+# A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
+SETTINGS = dict(
+    invariance=MODE,
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    max_model_len=64,
+    page_size=8,
+    min_pages_bucket=4,
+)
+
+
+def workload(llm: jdet.LLM) -> list:
+    """Lengths 1..max_model_len, batches of 1..max_num_seqs, prefix hits, preemption (the pool
+    holds 1.25 full sequences), n > 1, logprobs, stop strings, seeded and greedy, scoring."""
+    rng = np.random.default_rng(0)
+    V = llm.cfg.vocab_size
+    prompts = [rng.integers(1, V, n).tolist() for n in (1, 2, 7, 9, 17, 30, 33, 47, 55)]
+    outs = []
+    sp = [
+        jdet.SamplingParams(temperature=0.0, max_tokens=min(8, 63 - len(p)), ignore_eos=True)
+        for p in prompts
+    ]
+    outs += llm.generate(prompts, sp)  # up to 4 at a time, long ones preempted (pool of 10 pages)
+    outs += llm.generate(prompts[6], sp[6])  # batch 1, prefix-cache hit
+    outs += llm.generate(
+        [prompts[3], prompts[1]],
+        jdet.SamplingParams(temperature=0.9, top_p=0.8, top_k=5, n=3, seed=3, max_tokens=9,
+                            logprobs=5),
+    )  # fmt: skip
+    outs += llm.generate("Tell me about", jdet.SamplingParams(max_tokens=20, stop=["e"]))
+    scores = llm.score([p + [1, 2] for p in prompts[2:]] + [prompts[-1] * 1])
+    return outs + scores
+
+
+def test_after_warmup_no_request_mix_compiles(serving_model, capsys):
+    llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True)
+    shapes = llm.engine.runner.shapes.all()
+    assert len(shapes) == 4 and {p for _, _, p in shapes} == {4, 8}
+    llm.engine.warmup("score")  # score() warms on first use too; done here to count after
+    llm.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))  # first use: step warm-up
+    assert "shape 4/4" in capsys.readouterr().err  # the progress bar names shape k of n
+    assert llm.engine.warm == {"step", "score"}
+    before = compile_cache.stats()
+    workload(llm)
+    assert llm.engine.scheduler.num_preemptions > 0  # the mix did include preemption
+    assert llm.engine.block_manager.prefix_hits > 0
+    assert compile_cache.stats().compiles == before.compiles
+
+    # Negative control: a request on an engine whose shapes were not compiled (another KV pool
+    # size is another executable) does compile, so the counter sees a request's compiles.
+    cold = jdet.LLM(serving_model, **SETTINGS, num_pages=12, warmup=False)
+    before = compile_cache.stats()
+    cold.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))
+    assert compile_cache.stats().compiles > before.compiles
+
+
+def test_server_reports_warming_up_until_every_shape_is_compiled(serving_model):
+    from fastapi.testclient import TestClient
+
+    from serving.engine import Engine
+    from serving.server import build_app
+
+    eng = Engine(serving_model, **SETTINGS, num_pages=10)
+    gate = threading.Event()
+    real = eng.runner.warmup
+
+    def gated(*a, **kw):
+        gate.wait(60)
+        return real(*a, **kw)
+
+    eng.runner.warmup = gated
+    with TestClient(build_app(eng, model_name="m", fingerprint="fp")) as c:
+        r = c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "warming up"})
+        assert "jdet_warm 0.0" in c.get("/metrics").text
+        gate.set()
+        deadline = time.time() + 300
+        while c.get("/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.2)
+        assert c.get("/health").json() == {"status": "ok"}
+        text = c.get("/metrics").text
+        assert "jdet_warm 1.0" in text and "jdet_compilations_total" in text
+        assert eng.runner.shapes_seen == set(eng.runner.shapes.all())
+        before = compile_cache.stats()
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "Tell me", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert compile_cache.stats().compiles == before.compiles
+
+
+_RUN = r"""
+import json, sys
+import numpy as np
+import jdet
+from jdet import compile_cache
+cache = sys.argv[2] if sys.argv[2] != "off" else False
+llm = jdet.LLM(jdet.load(sys.argv[1], dtype="float32"), invariance="tp", max_num_batched_tokens=16,
+               max_num_seqs=4, max_model_len=48, page_size=8, min_pages_bucket=6,
+               compile_cache=cache, warmup=True)
+def bits(seed):
+    sp = jdet.SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 8, 9], [11, 3]], sp)
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [np.asarray(o.outputs[0].logprobs, np.float32).tobytes().hex() for o in outs],
+    }
+res = bits(5)
+res["score"] = np.asarray(llm.score([[5, 6, 7, 8, 9, 1, 2]])[0], np.float32).tobytes().hex()
+s = compile_cache.stats()
+res.update(compiles=s.compiles, hits=s.cache_hits, other_seed=bits(6))
+print(json.dumps(res))
+"""
+
+
+def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
+    serving_model_dir, tmp_path
+):
+    cache = tmp_path / "xla"
+
+    def run(setting: str) -> dict:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        p = subprocess.run(
+            [sys.executable, "-c", _RUN, str(serving_model_dir), setting],
+            env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    cold = run(str(cache))
+    assert any(cache.iterdir()), "the first process wrote no cache entries"
+    warm = run(str(cache))
+    off = run("off")
+    assert cold["hits"] == 0 and off["hits"] == 0
+    # the restart compiled nothing: every executable came from the cache
+    assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
+    for other in (warm, off):
+        assert other["tokens"] == cold["tokens"]
+        assert other["logprobs"] == cold["logprobs"] and other["score"] == cold["score"]
+    # Negative control of the comparison: another seed does change the bits it compares.
+    assert cold["other_seed"]["tokens"] != cold["tokens"]
+    assert cold["other_seed"]["logprobs"] != cold["logprobs"]
+
+
+def test_shape_set_is_bounded_and_covers_every_step():
+    from serving.model_runner import ShapeSet
+
+    s = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512)
+    assert s.tokens == (16, 32, 64, 128, 256, 512) and s.pages == (32, 128, 512)
+    assert len(s.all()) == 18
+    assert s.fit(1, 1, 1) == (16, 16, 32)
+    assert s.fit(300, 256, 129) == (512, 256, 512)
+    assert ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=8, max_pages=2560).pages == (
+        32, 128, 512, 2560,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="outside the engine's shape set"):
+        s.fit(513, 1, 1)
+    with pytest.raises(ValueError, match="min_pages_bucket must be >= 1"):
+        ShapeSet.build(max_num_batched_tokens=8, max_num_seqs=8, max_pages=8, min_pages_bucket=0)
