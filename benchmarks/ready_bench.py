@@ -70,7 +70,22 @@ def start(a: argparse.Namespace) -> dict:
     }  # fmt: skip
     if a.padding:
         res["padding"] = padding(eng, a)
+        res["engine_decode_b1"] = engine_decode(eng, a)
     return res
+
+
+def engine_decode(eng: Any, a: argparse.Namespace) -> dict:
+    """Batch-1 greedy decode at ctx `decode_ctx` through `Engine.step()` (host work included):
+    median step time, to set against the device-only step of the same shape (padding rows)."""
+    ids = np.random.default_rng(1).integers(1, eng.cfg.vocab_size, a.decode_ctx - 1).tolist()
+    eng.add_request("b1", ids, dict(temperature=0.0, max_tokens=a.decode_steps, ignore_eos=True))
+    times = []
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return {"ctx": a.decode_ctx, "steps": len(times),
+            "engine_step_s": float(np.median(times[4:])) if len(times) > 8 else None}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- 2. padding cost
@@ -137,6 +152,19 @@ def padding(eng: Any, a: argparse.Namespace) -> list[dict]:
                 times.append((time.perf_counter() - t0) / a.iters)
             row[f"{label}_step_s"] = float(np.median(times))
         row["fixed_over_exact"] = row["fixed_step_s"] / row["exact_step_s"]
+        if name.startswith("decode") and fixed[2] != r.shapes.pages[-1]:
+            # the same step with the page table at its largest bucket: what one Pmax would cost
+            big = (fixed[0], fixed[1], r.shapes.pages[-1])
+            batch, sampling = _batch(seqs, B, big, V, eng.block_manager.num_pages)
+            times = []
+            for _ in range(a.reps):
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    r.kv, out = r.step_fn(r.params, r.kv, batch, sampling)
+                jax.block_until_ready(out)
+                times.append((time.perf_counter() - t0) / a.iters)
+            row["pmax_max"] = big
+            row["pmax_max_step_s"] = float(np.median(times))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -158,6 +186,7 @@ def parser() -> argparse.ArgumentParser:
         help="pinned, since a pool size is a shape (8B: below the kernel's 2**31-element cap)",
     )  # fmt: skip
     p.add_argument("--decode-ctx", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory")
@@ -173,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.shape, a.dtype, a.budget, a.max_num_seqs = "tiny", "float32", 32, 8
         a.max_model_len, a.page_size, a.num_pages, a.decode_ctx = 128, 8, 600, 40
-        a.iters, a.reps = 2, 2
+        a.iters, a.reps, a.decode_steps = 2, 2, 12
     if a.child:
         print("RESULT " + json.dumps(start(a)), flush=True)
         return 0
