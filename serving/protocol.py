@@ -109,6 +109,10 @@ class RequestError(Exception):
     def __init__(
         self, message: str, param: str | None = None, status: int = 400, code: str | None = None
     ) -> None:
+        # client text quoted in a message may hold lone surrogates: the JSON answer must encode
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        if param is not None:
+            param = param.encode("utf-8", "backslashreplace").decode("utf-8")[:100]
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
 
@@ -286,16 +290,18 @@ def _check_fields(obj: dict, schema: type[_Common]) -> dict:
             raise RequestError(
                 f"{k} is not supported by jdet ({UNSUPPORTED[k]}); remove it from the request", k
             )
-    unknown = [k for k in obj if k not in schema.model_fields and k not in ACCEPTED_NO_OPS]
+    known = (schema.model_fields, ACCEPTED_NO_OPS, UNSUPPORTED)  # those left send the default
+    unknown = [k for k in obj if not any(k in names for names in known)]
     if unknown:
         names = ", ".join(clip(k, 40) for k in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise RequestError(
             f"unknown field(s) {names}{more}; remove them (accepted no-ops: "
             f"{', '.join(sorted(ACCEPTED_NO_OPS))})",
-            clip(unknown[0], 40),
+            unknown[0][:40],
         )
-    return {k: v for k, v in obj.items() if k not in ACCEPTED_NO_OPS and k not in UNSUPPORTED}
+    drop = (set(ACCEPTED_NO_OPS) | set(UNSUPPORTED)) - set(schema.model_fields)  # typed: kept
+    return {k: v for k, v in obj.items() if k not in drop}
 
 
 def parse(raw: bytes, schema: type[_Common]) -> Any:
