@@ -99,20 +99,23 @@ class LLM:
         return self.model.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """Text or token ids -> checked token ids (the engine's shared boundary check; the
+        length against max_model_len is checked by the caller, with max_tokens)."""
+        from serving.sequence import InvalidRequest, check_prompt_ids
+
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("prompt", "prompt is not valid Unicode text (a lone "
+                                     "surrogate such as \\ud800); pass UTF-8 text") from None
             ids = list(self.tokenizer(prompt)["input_ids"])
         else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})"
-            )
-        return ids
+            ids = list(prompt)  # ints only: 1.5 or "7" is refused, not truncated or parsed
+        check_prompt_ids(ids, vocab_size=self.cfg.vocab_size, max_model_len=2**31, field="prompt")
+        return [int(t) for t in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return (

@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("model_dir", nargs="?", default=None)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument(
+        "--api-key", default=None, help="require this bearer key (default: $JDET_API_KEY, "
+        "which unlike a flag is not visible in ps)",
+    )
+    s.add_argument("--public-metrics", action="store_true", help="/metrics without the key")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit")
     _engine_args(s)
     b = sub.add_parser(
         "bench", help="serving benchmarks (writes JSON); other flags go to benchmarks.serve_bench"
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 host=a.host,
                 port=a.port,
                 api_key=a.api_key,
+                public_metrics=a.public_metrics,
+                max_body_bytes=a.max_body_bytes,
                 dtype=a.dtype,
                 **_engine_kwargs(a),
             )

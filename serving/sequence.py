@@ -73,10 +73,13 @@ def check_prompt_ids(ids: object, *, vocab_size: int, max_model_len: int, field:
     if not isinstance(ids, list | tuple) or not ids:
         raise InvalidRequest(field, f"{field} is empty; give at least one token")
     for t in ids:
-        if not _is_int(t) or not 0 <= int(t) < vocab_size:
-            shown = repr(t) if _is_int(t) else type(t).__name__
+        if not _is_int(t):
             raise InvalidRequest(
-                field, f"{field}: token id {shown} is outside the vocabulary [0, {vocab_size})"
+                field, f"{field}: token ids must be integers, got {type(t).__name__} {t!r:.40}"
+            )
+        if not 0 <= int(t) < vocab_size:
+            raise InvalidRequest(
+                field, f"{field}: token id {t} is outside the vocabulary [0, {vocab_size})"
             )
     if len(ids) >= max_model_len:
         raise InvalidRequest(

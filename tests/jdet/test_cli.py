@@ -21,3 +21,10 @@ def test_missing_model_directory_is_reported(tmp_path, capsys):
     rc = main(["generate", "x", "--model", str(tmp_path / "nope"), "--invariance", "none"])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_value_the_step_cannot_hold_is_named_by_the_cli(capsys):
+    """The CLI goes through the same boundary check as the server and LLM (int32 top_k)."""
+    rc = main(["generate", "x", "--top-k", str(2**31), "--invariance", "none"])
+    assert rc == 2
+    assert "top_k must be an integer in [0, 2147483647]" in capsys.readouterr().err
