@@ -58,9 +58,15 @@ def layer_forward(
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
     h = ops.rms_norm(x, lp["attn_norm"], eps)
-    q = ops.matmul(h, lp["wq"])
-    k = ops.matmul(h, lp["wk"])
-    v = ops.matmul(h, lp["wv"])
+    if "wqkv" in lp:  # fused q|k|v (sharding/tp.py fuse_projections): same bits, one launch
+        nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
+        qkv = ops.matmul(h, lp["wqkv"])
+        nq = qkv.shape[-1] - 2 * nk
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+    else:
+        q = ops.matmul(h, lp["wq"])
+        k = ops.matmul(h, lp["wk"])
+        v = ops.matmul(h, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, -1, E)
@@ -81,8 +87,12 @@ def layer_forward(
         o = o + lp["bo"]
     x = x + o
     h = ops.rms_norm(x, lp["mlp_norm"], eps)
-    gate = ops.matmul(h, lp["w_gate"])
-    up = ops.matmul(h, lp["w_up"])
+    if "w_gate_up" in lp:  # fused gate|up, as wqkv
+        gate_up = ops.matmul(h, lp["w_gate_up"])
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    else:
+        gate = ops.matmul(h, lp["w_gate"])
+        up = ops.matmul(h, lp["w_up"])
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     x = x + ops.row_matmul(act, lp["w_down"])
     return x, kv

@@ -1,7 +1,11 @@
 """The one dispatch point between the model and its arithmetic, chosen by invariance mode.
 
 Why: the model is written once; `invariance` decides which implementation every reduction uses.
-  "none"  — XLA's own ops (jnp / jax.nn): the fast, non-deterministic baseline.
+  "none"  — the fastest non-invariant path: XLA/cuBLAS matmuls and norms, and on a GPU the
+            Pallas paged-attention kernel with a KV split chosen from the step's shapes (more,
+            shorter partitions when few sequences decode, so a batch-1 step fills the GPU); off a
+            GPU, XLA's gather attention (`paged_attention_xla`). Not invariant: the matmuls' and
+            the split's reduction orders follow the batch.
   "batch" — Pallas kernels whose reduction order depends on model shapes only (BIO matmul
             everywhere, paged attention with fixed KV partitions, invariant RMSNorm/log_softmax).
   "tp"    — as "batch", and the row-parallel projections (o_proj, down_proj) use the tree-reduce
@@ -30,12 +34,31 @@ def check_mode(invariance: str) -> str:
     return invariance
 
 
+def none_partition(t: int, page_table_shape: tuple, cache_shape: tuple, target: int = 256) -> int:
+    """KV partition of the "none" mode's paged attention: the split a fast non-invariant engine
+    would pick from the step's (static) shapes — about `target` programs (query tiles x kv heads
+    x partitions), partitions of 64..512 tokens. Batch-1 decode at 1k context gets 64-token
+    partitions (16x the programs of the invariant plan's fixed 512); large batches get 512."""
+    s, pmax = page_table_shape
+    kv_heads, page = cache_shape[-4], cache_shape[-2]
+    tiles = max(s, t // 16)
+    want = tiles * kv_heads * pmax * page // target
+    ps = max(64, page)
+    while ps < min(want, 512):
+        ps *= 2
+    return ps
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     invariance: str = "tp"
     row_partial: Callable[[jax.Array, jax.Array], jax.Array] | None = None
     row_reduce: Callable[[jax.Array], jax.Array] | None = None
-    attn_partition: int = 512  # KV partition size of the paged attention kernel (tokens)
+    # KV partition of the invariant paged attention (tokens), part of the reduction plan. 256, not
+    # 512: a batch-1 decode at 1k context then has 4 partitions x kv heads programs instead of 2x;
+    # measured on an H100 (Llama-3-8B shape, "tp"): step 9.58 -> 8.76 ms (128: 8.99 ms), while a
+    # 2048-token prefill chunk's attention goes 230 -> 290 us per layer (BENCHMARKS.md).
+    attn_partition: int = 256
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -92,6 +115,23 @@ class Ops:
                 batch.positions,
                 scale=scale,
                 partition_size=self.attn_partition,
+                layer=layer,
+            )
+        from pallas_kernels import _platform
+
+        if _platform.platform() == "gpu":
+            from pallas_kernels import paged_attention
+
+            return paged_attention(
+                q,
+                kv["k"],
+                kv["v"],
+                batch.page_table,
+                batch.context_lens,
+                batch.query_start,
+                batch.positions,
+                scale=scale,
+                partition_size=none_partition(q.shape[0], batch.page_table.shape, kv["k"].shape),
                 layer=layer,
             )
         from pallas_kernels.paged_attention import paged_attention_xla

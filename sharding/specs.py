@@ -137,6 +137,8 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 def _axes_by_name(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     axes = {spec.path[-1]: spec.axes for spec in weight_specs(cfg)}
     axes["lm_head"] = (None, "vocab")
+    # fused column-parallel weights (sharding/tp.py fuse_projections): split like their parts
+    axes["wqkv"], axes["w_gate_up"] = axes["wq"], axes["w_gate"]
     return axes
 
 

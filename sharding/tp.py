@@ -48,8 +48,9 @@ from sharding.specs import (
 from sharding.tree_allreduce import tree_allreduce
 
 
-def make_tp_ops(ops_mode: str, num_shards: int) -> Ops:
-    """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS)."""
+def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
+    """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS); `ops_kw` sets the
+    other Ops fields (attn_partition) for benchmarks."""
     check_mode(ops_mode)
     n = num_shards
     if ops_mode == "tp":
@@ -75,22 +76,67 @@ def make_tp_ops(ops_mode: str, num_shards: int) -> Ops:
         def row_reduce(p: jax.Array) -> jax.Array:
             return lax.psum(p, TP_AXIS)
 
-    return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce)
+    return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce, **ops_kw)
+
+
+def fuse_projections(params: dict, tp: int) -> dict:
+    """One q|k|v weight (`wqkv`) and one gate|up weight (`w_gate_up`) per layer, laid out so that
+    shard r of `tp` holds [q_r | k_r | v_r] and [gate_r | up_r]: two matmul launches per layer
+    instead of five, and the narrow k/v projections (N = K*E, 8 CTAs at batch 1) ride on q's.
+
+    Why the bits do not change: in the Hopper BIO kernel an output element's arithmetic is the
+    same 64-wide K steps into one f32 accumulator whatever N is and whichever CTA holds the
+    column (pallas_kernels/matmul_mosaic.py), so column j of the fused product is bitwise
+    column j of its part; tests/sharding/test_fused_gpu.py checks it. Only used where that holds
+    (`fuse_default`): the portable kernel's N tile may follow N.
+    """
+    layers = dict(params["layers"])
+
+    def cat(names: tuple[str, ...]) -> jax.Array:
+        parts = [layers.pop(n) for n in names]
+        lead = parts[0].shape[:-1]
+        blocks = [w.reshape(*lead, tp, w.shape[-1] // tp) for w in parts]
+        fused = jnp.concatenate(blocks, axis=-1)
+        return fused.reshape(*lead, fused.shape[-2] * fused.shape[-1])
+
+    layers["wqkv"] = cat(("wq", "wk", "wv"))
+    layers["w_gate_up"] = cat(("w_gate", "w_up"))
+    return {**params, "layers": layers}
+
+
+def fuse_default() -> bool:
+    """Fuse the column-parallel projections on Hopper, where the Mosaic kernel makes it exact."""
+    from pallas_kernels import _platform
+
+    return _platform.is_hopper()
 
 
 def prepare_params(
-    params: dict, cfg: ModelConfig, tp: int, *, ffn_multiple: int | None = None
+    params: dict,
+    cfg: ModelConfig,
+    tp: int,
+    *,
+    ffn_multiple: int | None = None,
+    fuse: bool | None = None,
 ) -> dict:
-    """Host-side layout for `tp` devices: pad (TP-independent) then replicate kv heads if needed."""
+    """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed, and
+    fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`)."""
     check_heads(cfg, tp)
-    return expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
+    p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
+    return fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
 
 
 def shard_params(
-    params: dict, cfg: ModelConfig, mesh: jax.sharding.Mesh, *, ffn_multiple: int | None = None
+    params: dict,
+    cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    ffn_multiple: int | None = None,
+    fuse: bool | None = None,
 ) -> dict:
-    """Pad, replicate kv heads as the mesh needs, and place every weight by its partition spec."""
-    p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple)
+    """Pad, replicate kv heads as the mesh needs, fuse (see prepare_params), and place every
+    weight by its partition spec."""
+    p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse)
     return jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
 
 
@@ -143,14 +189,16 @@ def make_tp_forward(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) ->
 
 
 @functools.cache  # one compile cache per (config, mode, mesh): engines share it
-def make_tp_step(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
+def make_tp_step(
+    cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh, **ops_kw: Any
+) -> Callable:
     """step(params, kv, batch, sampling) -> (kv, SampleOut), as jdet.step.make_step_fn, on `mesh`.
 
     `params` must come from `shard_params` (padded, kv heads replicated, placed) and `kv` from
-    `init_tp_kv_cache`.
+    `init_tp_kv_cache`. `ops_kw`: Ops fields other than the mode (see make_tp_ops).
     """
     check_heads(cfg, tp_size(mesh))
-    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
     logits_of = _sharded_logits(cfg, ops)
 
     def body(
