@@ -1,6 +1,6 @@
 """One entry point for the GPU machine: the `-m gpu` tests, then the benchmarks, JSON to $OUT.
 
-    PYTHONPATH=. python -m benchmarks.gpu_suite [--only tests,matmul,attention,serve,tp,tiles]
+    PYTHONPATH=. python -m benchmarks.gpu_suite [--only tests,matmul,serve,tp,tiles,decode,...]
 
 Each benchmark module exposes `run(out_dir) -> dict` and measures its XLA baseline and the
 hardware ceilings in the same run, so every figure is a ratio taken on one machine at one time.
@@ -24,6 +24,7 @@ PARTS = {
     "serve": "benchmarks.serve_bench",
     "tp": "benchmarks.tp_bench",
     "tiles": "benchmarks.tile_probe",
+    "decode": "benchmarks.decode_bench",
 }
 
 
