@@ -3,6 +3,7 @@
 The same request gives the same bits, whatever the batch, the chunking, the cache or the TP size.
 """
 
+from jdet import train  # differentiable log-probs with the sampler's bits (jdet/train.py)
 from jdet.api import LLM
 from jdet.config import ModelConfig
 from jdet.loader import Model, load, save
@@ -27,5 +28,6 @@ __all__ = [
     "load",
     "save",
     "serve",
+    "train",
     "__version__",
 ]
