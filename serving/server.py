@@ -128,8 +128,13 @@ class EngineDriver:
                 if kind == "add":
                     try:
                         eng.add_request(rid, ids, opts)
-                    except ValueError as e:  # validated before; a last line of defence
-                        self._post(rid, RequestError(str(e), getattr(e, "field", None)))
+                    except Exception as e:  # noqa: BLE001 - validated before; a last line of defence
+                        if isinstance(e, ValueError):
+                            err = RequestError(str(e), getattr(e, "field", None))
+                        else:  # a bug, but this request's alone: the engine thread lives on
+                            log.exception("add_request failed for %s", rid)
+                            err = RequestError(f"internal error: {type(e).__name__}", status=500)
+                        self._post(rid, err)
                         self.routes.pop(rid, None)
                 else:
                     eng.abort(rid)

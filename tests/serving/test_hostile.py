@@ -375,3 +375,41 @@ def test_api_key_comes_from_the_environment_and_metrics_can_be_opened(serving_mo
         assert ok.status_code == 200
         assert c.get("/metrics").status_code == 200  # opened by the flag
         assert c.get("/health").status_code in (200, 503)  # open (503 while warming up)
+
+
+def test_a_request_failing_in_the_engine_gets_its_own_error_and_a_stream_keeps_its_bits(
+    hostile_server,
+):
+    """Fault injection through the server: requests with seed 666 raise inside the step's batch
+    build after 3 tokens. Each gets its own error (a 500, or an SSE error event ending the
+    stream cleanly); a probe stream running beside them ends with the bits it has alone."""
+    base, eng = hostile_server
+    alone = stream_probe(base)
+
+    def injector(seq):
+        if seq.options.seed == 666 and seq.num_output_tokens >= 3:
+            raise OverflowError("injected fault")
+
+    eng.fault_injector = injector
+    got: dict = {}
+    try:
+        t = threading.Thread(target=lambda: got.setdefault("probe", stream_probe(base)))
+        t.start()
+        time.sleep(0.3)
+        bad = {"model": "tiny", "prompt": "hello", "max_tokens": 40, "seed": 666,
+               "ignore_eos": True}  # fmt: skip
+        r = httpx.post(base + C, json=bad, headers=AUTH, timeout=60)
+        assert r.status_code == 500 and "OverflowError" in r.json()["error"]["message"]
+        with httpx.stream("POST", base + C, json={**bad, "stream": True}, headers=AUTH,
+                          timeout=60) as s:  # fmt: skip
+            lines = [x for x in s.iter_lines() if x]
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert "injected fault" in json.loads(lines[-2][6:])["error"]["message"]
+        t.join(timeout=120)
+    finally:
+        eng.fault_injector = None
+    assert got["probe"] == alone
+    deadline = time.time() + 10
+    while eng.block_manager.num_used and time.time() < deadline:
+        time.sleep(0.05)
+    assert eng.block_manager.num_used == 0
