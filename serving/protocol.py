@@ -250,33 +250,48 @@ class ChatCompletionRequest(_Common):
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 
 
+def _path(link: tuple | None) -> str:
+    """'messages.0.content' from the (parent link, key) chain; keys cut to 40 characters."""
+    parts: list[str] = []
+    while link is not None:
+        link, key = link
+        parts.append(str(key)[:40].encode("utf-8", "backslashreplace").decode())
+    return ".".join(reversed(parts))
+
+
 def _check_tree(obj: Any) -> None:
     """Depth limit and valid Unicode everywhere, without recursion (a hostile body cannot
     exhaust the stack here). Lone surrogates (`"\\ud800"`) are legal JSON but not text: they
-    would fail in the tokenizer, so they are named here."""
-    stack: list[tuple[Any, str, int]] = [(obj, "", 1)]
+    would fail in the tokenizer, so they are named here. Paths are built only for an error, and
+    numbers are not visited, so a 4 MB list of token ids costs one pass over it."""
+    stack: list[tuple[Any, tuple | None, int]] = [(obj, None, 1)]
+    nested = (str, dict, list)
     while stack:
-        x, path, depth = stack.pop()
+        x, link, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
+            where = _path(link)
             raise RequestError(
-                f"request body nests deeper than {MAX_JSON_DEPTH} levels", path or None
+                f"request body nests deeper than {MAX_JSON_DEPTH} levels", where or None
             )
         if isinstance(x, str):
             try:
                 x.encode("utf-8")
             except UnicodeEncodeError:
+                where = _path(link)
                 raise RequestError(
-                    f"{path or 'body'} is not valid Unicode text (it contains a lone surrogate "
+                    f"{where or 'body'} is not valid Unicode text (it contains a lone surrogate "
                     "such as \\ud800); send UTF-8 text",
-                    path or None,
+                    where or None,
                 ) from None
         elif isinstance(x, dict):
             for k, v in x.items():
-                sub = f"{path}.{k}" if path else str(k)
-                stack.append((k, sub, depth + 1))
-                stack.append((v, sub, depth + 1))
+                stack.append((k, (link, k), depth + 1))
+                if isinstance(v, nested):
+                    stack.append((v, (link, k), depth + 1))
         elif isinstance(x, list):
-            stack.extend((v, f"{path}.{i}" if path else str(i), depth + 1) for i, v in enumerate(x))
+            stack.extend(
+                (v, (link, i), depth + 1) for i, v in enumerate(x) if isinstance(v, nested)
+            )
 
 
 def _check_fields(obj: dict, schema: type[_Common]) -> dict:
