@@ -13,9 +13,13 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
 So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
 function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
 attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
-at once), and the "none" baseline gathers all Pmax pages per token, whose cost grows linearly.
-Padding cost, measured (benchmarks/ready_bench.py, BENCHMARKS.md "Start-up and shape set"): the
-throughput at these shapes against exact (unpadded) shapes.
+at once: measured 0-3 % for a 512-page table against 128 at decode), but the "none" baseline
+gathers all Pmax pages per token, whose cost grows linearly.
+Padding cost, measured on an H100 with Qwen3-8B shapes (benchmarks/ready_bench.py; BENCHMARKS.md
+"Start-up and the bounded shape set"), step time at the bucket / at the exact shape: decode at
+batch 1, 8, 64 (ctx 1024): 1.04, 1.04, 1.00; a 300-token prefill chunk alone: 1.32 (T 300 -> 512,
+S 1 -> 256); 32 decodes + a 200-token chunk: 1.35, mostly the 256 sampled rows of S = T. A busy
+server fills steps to the token budget (T exact); few-sequence prefill is what pays.
 Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
 Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
 
@@ -205,12 +209,18 @@ class ModelRunner:
             from sharding.tp import make_tp_runtime
 
             rt = make_tp_runtime(model.params, self.cfg, tp, invariance)
+            replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
             self.params = rt.params
             self.kv = rt.init_kv(num_pages, page_size, self.kv_dtype)
             self.step_fn, self.score_fn = rt.step, rt.score
         else:
+            replicated = None
             self.kv = init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype)
             self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
+        from serving.logits_rows import LogitsRows
+
+        # per-request logits transforms and structured output (serving/logits_rows.py)
+        self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
 
@@ -261,8 +271,9 @@ class ModelRunner:
         qs[S + 1 :] = t0
         batch = StepBatch(tok, pos, slot, qs, cl, pt, rows)
         sampling = SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos
-        )
+            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
+            logits=self.logits_rows.build(plan, Sp, Pp * B),
+        )  # fmt: skip
         return batch, sampling
 
     def warmup_batch(self, shape: tuple[int, int, int], kind: str = "step") -> tuple[Any, Any]:
@@ -295,6 +306,7 @@ class ModelRunner:
             top_p=z + 0.9,
             seed=np.zeros(Sp, np.uint32),
             position=cl.copy(),
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
         )
         return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling
 
