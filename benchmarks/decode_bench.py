@@ -193,8 +193,10 @@ def parse_variant(v: str) -> dict:
 def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: dict,
                 save: Any) -> None:  # fmt: skip
     max_len = max(a.ctx) + a.steps + 32
-    num_pages = max(b * pages_for(c, a.steps) for b in a.batches for c in a.ctx) + 8
-    num_pages = max(num_pages, pages_for(max(a.ctx), a.steps) + 8)
+    # pool: the largest batch at the shortest context, or one sequence at the longest (batches > 1
+    # run at the shortest context only); 65k pages of an 8B model would not fit the GPU
+    num_pages = max(max(a.batches) * pages_for(min(a.ctx), a.steps),
+                    pages_for(max(a.ctx), a.steps)) + 8  # fmt: skip
     for mode in a.modes:
         eng = make_engine(model, mode, max_len, num_pages)
         runner = eng.runner
