@@ -7,7 +7,20 @@ Why each piece is safe:
   of the raw logits, which is exactly what `score()` returns;
 - top-k/top-p use sorts and `top_k` (selections, exact) and a cumulative sum built by
   `lax.associative_scan` — a fixed tree of elementwise adds whose shape depends on V only;
-- the draw is Gumbel-max: argmax(logits / T + g), an exact selection.
+- the draw is Gumbel-max: argmax(logits / T + g), an exact selection;
+- the per-request logits transforms (`LogitsInputs`: allowed-token bitmask, logit bias,
+  repetition/frequency/presence penalties, min-p) are elementwise, gathers/scatters into the row's
+  own logits and a row max: no value crosses rows, so a row's bits do not depend on the batch.
+
+Order (vLLM's): bitmask (structured output, allowed_token_ids, bad_words, min_tokens) -> logit
+bias -> repetition penalty (prompt + generated tokens: positive logits divided, negative
+multiplied) -> frequency and presence penalties (generated tokens) -> temperature -> min-p ->
+top-k -> top-p -> draw. Greedy is the argmax of the processed logits.
+
+Reported log-probs (`SampleOut.logprobs`, `top_logprobs`) are those of the RAW model distribution
+(log_softmax of the unprocessed logits), whatever the transforms: it is what `score()` and the
+trainer compute, and it is vLLM's default too (`logprobs_mode="raw_logprobs"`). A token the
+transforms made likely may therefore carry a low reported log-prob; that is by design.
 """
 
 from __future__ import annotations
@@ -24,12 +37,37 @@ NUM_TOP = 20  # top log-probs computed per sampled row (static); requests may as
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class LogitsInputs:
+    """Per-row logits transforms, in fixed-width arrays (their shapes follow the step's bucket,
+    so they add no compiled shape). Padding entries are id -1; a neutral row transforms nothing.
+
+    U (penalty width) is the step's Pmax * page_size, which bounds every row's token count and so
+    its number of distinct tokens; NB = MAX_LOGIT_BIAS; W = ceil(V / 32).
+    """
+
+    min_p: jax.Array  # f32[N]; 0 = off
+    presence: jax.Array  # f32[N]; 0 = off
+    frequency: jax.Array  # f32[N]; 0 = off
+    repetition: jax.Array  # f32[N]; 1 = off
+    pen_ids: jax.Array  # i32[N, U]: distinct tokens of prompt + generated (-1: padding)
+    pen_counts: jax.Array  # i32[N, U]: times each occurs among the generated tokens
+    bias_ids: jax.Array  # i32[N, NB]: logit_bias token ids (-1: padding)
+    bias_vals: jax.Array  # f32[N, NB]
+    mask: jax.Array  # i32[N, W]: allowed-token bitmask, bit t % 32 of word t // 32 (-1: all)
+
+
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (more are refused at the boundary)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class SamplingInputs:
     temperature: jax.Array  # f32[N]; 0 = greedy
     top_k: jax.Array  # i32[N]; 0 = off
     top_p: jax.Array  # f32[N]; 1 = off
     seed: jax.Array  # u32[N]
     position: jax.Array  # i32[N]: position the sampled token will occupy
+    logits: LogitsInputs | None = None  # per-request transforms; None: none in this step
 
 
 @jax.tree_util.register_dataclass
@@ -68,13 +106,71 @@ def _filter_top_k_top_p(
     return jnp.where(keep_k & keep_p, scaled, -jnp.inf)
 
 
+def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """-inf where the row's bitmask bit is 0 (bit t % 32 of int32 word t // 32, as llguidance
+    and xgrammar write it)."""
+    N, V = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    bits = bits.reshape(N, -1)[:, :V]
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
+def apply_bias(logits: jax.Array, ids: jax.Array, vals: jax.Array) -> jax.Array:
+    """logits[r, ids[r, j]] += vals[r, j] (ids distinct within a row: one exact add each)."""
+    N, V = logits.shape
+    rows = jnp.arange(N)[:, None]
+    return logits.at[rows, jnp.where(ids >= 0, ids, V)].add(vals, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, x: LogitsInputs) -> jax.Array:
+    """Repetition (every listed token: positive logits / r, others * r), then frequency and
+    presence (logit -= frequency * count + presence * (count > 0), generated tokens only)."""
+    N, V = logits.shape
+    valid = x.pen_ids >= 0
+    g = jnp.take_along_axis(logits, jnp.where(valid, x.pen_ids, 0), axis=-1)
+    r = x.repetition[:, None]
+    g = jnp.where(g > 0, g / r, g * r)
+    cnt = x.pen_counts.astype(jnp.float32)
+    g = g - x.frequency[:, None] * cnt - x.presence[:, None] * (cnt > 0).astype(jnp.float32)
+    rows = jnp.arange(N)[:, None]
+    return logits.at[rows, jnp.where(valid, x.pen_ids, V)].set(g, mode="drop")
+
+
+def _when(pred: jax.Array, fn, x: jax.Array) -> jax.Array:
+    """fn(x) if pred else x; the untaken branch costs nothing on device."""
+    return jax.lax.cond(pred, fn, lambda y: y, x)
+
+
+def process_logits(logits: jax.Array, x: LogitsInputs) -> jax.Array:
+    """The transforms before temperature (module docstring: order), each skipped when no row of
+    the step uses it."""
+    logits = _when(jnp.any(x.mask != -1), lambda y: apply_mask(y, x.mask), logits)
+    logits = _when(
+        jnp.any(x.bias_ids >= 0), lambda y: apply_bias(y, x.bias_ids, x.bias_vals), logits
+    )
+    return _when(jnp.any(x.pen_ids >= 0), lambda y: apply_penalties(y, x), logits)
+
+
+def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Keep tokens with p >= min_p * p_max of the temperature-scaled distribution, i.e.
+    scaled >= max(scaled) + log(min_p) (a row max: an exact selection, no sum)."""
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    thresh = top + jnp.log(jnp.where(min_p > 0, min_p, 1.0))[:, None]
+    return jnp.where((min_p[:, None] <= 0) | (scaled >= thresh), scaled, -jnp.inf)
+
+
 def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     """Draw one token per row of f32 logits [N, V]."""
     logits = logits.astype(jnp.float32)
-    logp = ops.log_softmax(logits)
+    logp = ops.log_softmax(logits)  # raw: what is reported (module docstring)
+    x = inp.logits
+    if x is not None:
+        logits = process_logits(logits, x)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
     scaled = logits / temp[:, None]
+    if x is not None:
+        scaled = _when(jnp.any(x.min_p > 0), lambda s: apply_min_p(s, x.min_p), scaled)
     needs_filter = jnp.any((inp.top_k > 0) | (inp.top_p < 1.0))
     scaled = jax.lax.cond(
         needs_filter,

@@ -245,6 +245,7 @@ class Engine:
             prompt, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len, field="prompt"
         )
         o.check(self.cfg.vocab_size)
+        self.runner.logits_rows.check(o)  # structured output, bad_words (need the tokenizer)
         if o.stop and self.tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer")
 

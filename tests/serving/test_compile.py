@@ -52,6 +52,20 @@ def workload(llm: jdet.LLM) -> list:
                             logprobs=5),
     )  # fmt: skip
     outs += llm.generate("Tell me about", jdet.SamplingParams(max_tokens=20, stop=["e"]))
+    # per-request logits transforms and structured output (issue 19), batched with plain rows
+    opts = [
+        dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3),
+        dict(logit_bias={5: 10.0, 6: -100.0}, min_p=0.1, temperature=1.0, seed=1),
+        dict(min_tokens=4, stop_token_ids=[7], bad_words=["the"]),
+        dict(allowed_token_ids=[10, 11, 12]),
+        dict(regex="[a-z]{1,5}"),
+        dict(choice=["yes", "no"]),
+        dict(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ]
+    outs += llm.generate(
+        [prompts[i % len(prompts)] for i in range(len(opts))] + [prompts[0]],
+        [jdet.SamplingParams(max_tokens=8, **o) for o in opts] + [sp[0]],
+    )
     scores = llm.score([p + [1, 2] for p in prompts[2:]] + [prompts[-1] * 1])
     return outs + scores
 
