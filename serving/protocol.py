@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from serving.sequence import (
     INT32_MAX,
+    MAX_LOGIT_BIAS,
     NUM_TOP,
     InvalidRequest,
     SamplingOptions,
@@ -37,21 +38,15 @@ MAX_ECHO = 80  # characters of client-supplied text quoted back in an error mess
 # naming it (a silently ignored `min_p=0.99` would return text the client did not ask for), unless
 # it sends the value that is jdet's fixed behaviour (`SAME_AS_JDET`).
 UNSUPPORTED: dict[str, str] = {
-    "min_p": "min-p sampling is not implemented",
-    "repetition_penalty": "repetition penalties are not implemented",
     "length_penalty": "beam search is not implemented",
-    "min_tokens": "a minimum output length is not implemented",
     "use_beam_search": "beam search is not implemented",
     "early_stopping": "beam search is not implemented",
-    "prompt_logprobs": "prompt log-probs are not returned (use jdet.LLM.score)",
-    "guided_json": "guided decoding is not implemented",
-    "guided_regex": "guided decoding is not implemented",
-    "guided_choice": "guided decoding is not implemented",
-    "guided_grammar": "guided decoding is not implemented",
-    "guided_decoding_backend": "guided decoding is not implemented",
-    "structured_outputs": "guided decoding is not implemented",
-    "bad_words": "bad-word filtering is not implemented",
-    "allowed_token_ids": "token allow-lists are not implemented",
+    "prompt_logprobs": "prompt log-probs are not returned over HTTP yet (use jdet.LLM.generate "
+    "with SamplingParams(prompt_logprobs=0), or jdet.LLM.score)",
+    "guided_decoding_backend": "the structured-output backend is always llguidance",
+    "guided_whitespace_pattern": "the JSON whitespace rule is llguidance's",
+    "structured_outputs": "send guided_json / guided_regex / guided_choice / guided_grammar or "
+    "response_format instead",
     "truncate_prompt_tokens": "prompt truncation is not implemented; shorten the prompt",
     "spaces_between_special_tokens": "detokenisation options are not implemented",
     "include_stop_str_in_output": "stop strings are always removed from the output",
@@ -74,9 +69,6 @@ UNSUPPORTED: dict[str, str] = {
     "logits_processors": "logits processors are not accepted over HTTP",
 }
 SAME_AS_JDET: dict[str, Any] = {
-    "min_p": 0,
-    "repetition_penalty": 1,
-    "min_tokens": 0,
     "use_beam_search": False,
     "skip_special_tokens": True,
     "include_stop_str_in_output": False,
@@ -147,23 +139,37 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: Num = 0.0
-    frequency_penalty: Num = 0.0
-    logit_bias: dict[str, Num] | None = None
+    presence_penalty: Num | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Num | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Num] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: StrictStr | None = None
+    # vLLM extras (jdet/sampling.py gives their semantics and order)
+    repetition_penalty: Num | None = Field(None, gt=0, le=100)
+    min_p: Num | None = Field(None, ge=0, le=1)
+    min_tokens: Int | None = Field(None, ge=0, le=INT32_MAX)
+    bad_words: list[StrictStr] | None = Field(None, max_length=MAX_STOP * 4)
+    allowed_token_ids: list[Int] | None = Field(None, max_length=1 << 20)
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: StrictStr | None = None
+
+    def structured(self) -> tuple[tuple[str, str], ...]:
+        """The structured-output constraint(s) asked for, as SamplingOptions.structured."""
+        out = []
+        if self.guided_json is not None:
+            g = self.guided_json
+            out.append(("json_schema", g if isinstance(g, str) else json.dumps(g)))
+        if self.guided_regex is not None:
+            out.append(("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            out.append(("choice", json.dumps(self.guided_choice)))
+        if self.guided_grammar is not None:
+            out.append(("grammar", self.guided_grammar))
+        return tuple(out)
 
     def unsupported(self) -> None:
         """Reject features jdet does not implement rather than silently ignoring them."""
-        if self.presence_penalty != 0:
-            raise RequestError(
-                "presence_penalty is not supported; omit it or send 0", "presence_penalty"
-            )
-        if self.frequency_penalty != 0:
-            raise RequestError(
-                "frequency_penalty is not supported; omit it or send 0", "frequency_penalty"
-            )
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -185,8 +191,12 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise RequestError("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise RequestError(
+                "echo with logprobs is not supported (prompt log-probs are not returned over "
+                "HTTP yet); send echo without logprobs, or use jdet.LLM.score",
+                "echo",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(
                 "best_of is not supported (it must equal n or be omitted)", "best_of"
@@ -242,12 +252,43 @@ class ChatCompletionRequest(_Common):
         super().unsupported()
         if self.tools:
             raise RequestError("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
+        self.structured()  # names a malformed response_format
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def structured(self) -> tuple[tuple[str, str], ...]:
+        """guided_* extras plus response_format: {"type": "text" | "json_object" |
+        "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+        out = list(super().structured())
+        rf = self.response_format
+        if rf is None:
+            return tuple(out)
+        kind = rf.get("type")
+        if kind == "json_object" and set(rf) <= {"type"}:
+            out.append(("json_object", ""))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            extra = set(rf) - {"type", "json_schema"}
+            if not isinstance(js, dict) or extra or not isinstance(js.get("schema"), dict):
+                raise RequestError(
+                    "response_format json_schema needs {'type': 'json_schema', 'json_schema': "
+                    "{'name': ..., 'schema': {...}}}",
+                    "response_format",
+                )
+            unknown = set(js) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise RequestError(
+                    f"response_format.json_schema: unknown field(s) {sorted(unknown)}",
+                    "response_format",
+                )
+            out.append(("json_schema", json.dumps(js["schema"])))
+        elif not (kind == "text" and set(rf) <= {"type"}):
+            raise RequestError(
+                f"response_format type {clip(kind, 40)} is not supported; use 'text', "
+                "'json_object' or 'json_schema'",
+                "response_format",
+            )
+        return tuple(out)
 
 
 def _path(link: tuple | None) -> str:
@@ -352,6 +393,23 @@ def check_prompt(ids: list[int], *, vocab_size: int, max_model_len: int, param: 
         raise RequestError(str(e), param) from None
 
 
+def _logit_bias(b: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> sorted (id, bias)."""
+    if not b:
+        return ()
+    out = []
+    for k, v in b.items():
+        if not k.isdigit() or len(k) > 10:
+            raise RequestError(
+                f"logit_bias keys must be token ids (decimal integers), got {clip(k, 40)}",
+                "logit_bias",
+            )
+        if not -100 <= v <= 100:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
+        out.append((int(k), float(v)))
+    return tuple(sorted(out))
+
+
 def sampling_options(
     req: _Common,
     *,
@@ -385,6 +443,15 @@ def sampling_options(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        min_p=float(req.min_p or 0.0),
+        min_tokens=req.min_tokens or 0,
+        logit_bias=_logit_bias(req.logit_bias),
+        bad_words=tuple(req.bad_words or ()),
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        structured=req.structured(),
     )
     try:
         return opts.check(vocab_size)

@@ -171,6 +171,10 @@ class EngineDriver:
 
 
 # ---------------------------------------------------------------------- response pieces
+def _decode(tok: Any, ids: list[int]) -> str:
+    return "" if tok is None else tok.decode(ids)
+
+
 def _token_str(tok: Any, token_id: int) -> str:
     return "" if tok is None else tok.decode([token_id])
 
@@ -380,6 +384,14 @@ def build_app(
                 f"{param} could not be tokenised ({type(e).__name__}: {clip(str(e), 200)})", param
             ) from None
 
+    async def check_transforms(opts: SamplingOptions) -> None:
+        """Compile the structured-output constraint (and tokenise bad_words) in a worker thread,
+        so a bad schema is this request's 400 and a large one never stalls the event loop."""
+        try:
+            await asyncio.to_thread(eng.runner.logits_rows.check, opts)
+        except ValueError as e:
+            raise RequestError(str(e), getattr(e, "field", None)) from None
+
     def check_stop_ids(req: Any) -> None:
         if req.stop and st.tokenizer is None:
             raise RequestError("stop strings need a tokenizer", "stop")
@@ -464,6 +476,11 @@ def build_app(
             )
             for ids in prompts
         ]
+        await check_transforms(opts[0])
+        echoes = [  # echo=true: each choice's text starts with its prompt
+            ("" if not req.echo else p if isinstance(p, str) else _decode(st.tokenizer, p))
+            for p in req.prompts()
+        ]
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rids, q = await run(prompts, opts, cid)
@@ -486,6 +503,11 @@ def build_app(
                 finals: dict[str, RequestOutput] = {}
                 offsets: dict[tuple[str, int], int] = {}
                 done: set[tuple[str, int]] = set()
+                for i, text in enumerate(echoes):  # echo: the prompt comes first
+                    for j in range(n) if text else ():
+                        choice = {"index": i * n + j, "text": text, "logprobs": None,
+                                  "finish_reason": None}  # fmt: skip
+                        yield _sse({**head, "choices": [choice]})
                 async for o in guarded(results(rids, q)):
                     if isinstance(o, str):  # the error event: the stream ends here
                         yield o
@@ -535,7 +557,7 @@ def build_app(
                     choices.append(
                         {
                             "index": index[rid] * n + c.index,
-                            "text": c.text,
+                            "text": echoes[index[rid]] + c.text,
                             "logprobs": lp,
                             "finish_reason": c.finish_reason,
                             "seed": c.seed,
@@ -582,6 +604,7 @@ def build_app(
             max_tokens=max_tokens,
             vocab_size=eng.cfg.vocab_size,
         )
+        await check_transforms(opts)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rids, q = await run([ids], [opts], cid)

@@ -47,6 +47,11 @@ def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -
     return lg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
+# Compact JSON (", " and ": " separators, no free whitespace): a model cannot spend its tokens
+# on whitespace, and equal requests give equal text. A schema's own "x-guidance" overrides it.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
 def grammar_of(kind: str, spec: str) -> str:
     """(kind, spec) of `SamplingOptions.structured` -> an llguidance grammar."""
     M = _lg().LLMatcher
@@ -57,9 +62,9 @@ def grammar_of(kind: str, spec: str) -> str:
             raise InvalidRequest(kind, f"{kind} is not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise InvalidRequest(kind, f"{kind} must be a JSON object (a JSON Schema)")
-        return M.grammar_from_json_schema(schema)
+        return M.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if kind == "json_object":
-        return M.grammar_from_json_schema({"type": "object"})
+        return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if kind == "regex":
         return M.grammar_from_regex(spec)
     if kind == "choice":

@@ -135,10 +135,10 @@ case("model_name_100kb", with_(OK, model="m" * 100_000), status=404, words=["doe
 case("unknown_field", with_(OK, foo=1), words=["unknown field", "foo"])
 case("unknown_fields_many", with_(OK, **{f"x{i}": i for i in range(9)}), words=["and 4 more"])
 for name, value in [
-    ("min_p", 0.99), ("repetition_penalty", 1.3), ("min_tokens", 5), ("guided_json", {}),
-    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("prompt_logprobs", 1),
-    ("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["x"]),
-    ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 3), ("skip_special_tokens", False),
+    ("guided_decoding_backend", "xgrammar"), ("structured_outputs", {"regex": "a+"}),
+    ("guided_whitespace_pattern", " "), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("length_penalty", 0.5),
+    ("truncate_prompt_tokens", 3), ("skip_special_tokens", False),
     ("include_stop_str_in_output", True), ("priority", 1), ("logits_processors", ["x"]),
 ]:  # fmt: skip
     case(f"unsupported_{name}", with_(OK, **{name: value}), words=[name, "not supported"])
@@ -179,10 +179,15 @@ for field, bad, words in [
     ("stop_token_ids", [2**31], ["stop_token_ids"]), ("stop_token_ids", ["a"], ["stop_token_ids"]),
     ("logprobs", 21, ["logprobs"]), ("logprobs", -1, ["logprobs"]),
     ("logprobs", True, ["logprobs"]),
-    ("echo", True, ["echo"]), ("best_of", 2, ["best_of"]), ("suffix", "x", ["suffix"]),
+    ("echo", "yes", ["echo"]), ("best_of", 2, ["best_of"]), ("suffix", "x", ["suffix"]),
     ("stream", "yes", ["stream"]), ("stream_options", {"include_usage": True}, ["stream_options"]),
-    ("presence_penalty", 1, ["presence_penalty"]), ("frequency_penalty", 1, ["frequency_penalty"]),
-    ("logit_bias", {"1": 5}, ["logit_bias"]), ("user", 5, ["user"]),
+    ("presence_penalty", 3, ["presence_penalty"]), ("frequency_penalty", -3, ["frequency_penalty"]),
+    ("logit_bias", {"1": 500}, ["logit_bias"]), ("logit_bias", {"x": 1}, ["logit_bias"]),
+    ("logit_bias", {"320": 1}, ["logit_bias"]), ("user", 5, ["user"]),
+    ("min_p", 1.5, ["min_p"]), ("repetition_penalty", 0, ["repetition_penalty"]),
+    ("min_tokens", -1, ["min_tokens"]), ("guided_json", 5, ["guided_json"]),
+    ("guided_regex", "a(", ["regex"]), ("guided_choice", [], ["guided_choice"]),
+    ("bad_words", [5], ["bad_words"]), ("allowed_token_ids", [320], ["allowed_token_ids"]),
     ("ignore_eos", "yes", ["ignore_eos"]),
 ]:  # fmt: skip
     case(f"completions_{field}_{bad!r:.20}", with_(OK, **{field: bad}), words=words,
@@ -200,7 +205,9 @@ for name, body, words in [
      ["messages"]),
     ("name_int", chat(messages=[{"role": "user", "content": "x", "name": 5}]), ["name"]),
     ("tools", chat(tools=[{"type": "function"}]), ["tools"]),
-    ("response_format_json", chat(response_format={"type": "json_object"}), ["response_format"]),
+    ("response_format_xml", chat(response_format={"type": "xml"}), ["response_format"]),
+    ("response_format_no_schema", chat(response_format={"type": "json_schema"}),
+     ["response_format"]),
     ("top_logprobs_without_logprobs", chat(top_logprobs=2), ["top_logprobs"]),
     ("top_logprobs_21", chat(logprobs=True, top_logprobs=21), ["top_logprobs"]),
     ("logprobs_int", chat(logprobs=3), ["logprobs"]),

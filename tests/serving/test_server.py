@@ -222,9 +222,9 @@ MALFORMED = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi " * 400}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": "x"}, "seed"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 1}, "presence"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 5}, "presence"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [5000]}, "stop_token"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     (
