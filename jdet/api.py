@@ -151,7 +151,52 @@ class LLM:
 
         strs = [p if isinstance(p, str) else None for p in prompts]
         self._warm("step")
-        return llm_backend.generate(self.engine, ids, sp_list, prompts=strs, use_tqdm=use_tqdm)
+        outs = llm_backend.generate(self.engine, ids, sp_list, prompts=strs, use_tqdm=use_tqdm)
+        want = [i for i, sp in enumerate(sp_list) if getattr(sp, "prompt_logprobs", None) == 0]
+        if want:  # the score() plan: bitwise what the sampler reports for these tokens
+            self._warm("score")
+            lps = llm_backend.score(self.engine, [ids[i] for i in want])
+            for i, lp in zip(want, lps, strict=True):
+                outs[i].prompt_logprobs = [None] + [float(x) for x in lp]
+        return outs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to
+        a list of conversations, through the model's chat template (or `chat_template`, a Jinja
+        template string), as vLLM's `LLM.chat`. The rendered text is each output's `prompt`."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; chat() needs one (use generate)")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass chat_template='...' (Jinja)"
+            )
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise TypeError("chat() takes a list of messages or a list of conversations")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        texts = []
+        for i, conv in enumerate(convs):
+            if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError(
+                    f"conversation {i}: give a non-empty list of {{'role': ..., 'content': ...}}"
+                )
+            texts.append(self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=template))  # fmt: skip
+        # the template already holds the special tokens (BOS and the like): none added again
+        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        for o, t in zip(outs, texts, strict=True):
+            o.prompt = t
+        return outs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (stop strings applied)."""

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--public-metrics", action="store_true", help="/metrics without the key")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit")
+    s.add_argument(
+        "--chat-template", default=None, help="Jinja chat template (a file or the text) "
+        "replacing the tokenizer's, for /v1/chat/completions",
+    )
     _engine_args(s)
     b = sub.add_parser(
         "bench", help="serving benchmarks (writes JSON); other flags go to benchmarks.serve_bench"
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=a.api_key,
                 public_metrics=a.public_metrics,
                 max_body_bytes=a.max_body_bytes,
+                chat_template=a.chat_template,
                 dtype=a.dtype,
                 **_engine_kwargs(a),
             )

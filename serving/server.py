@@ -267,9 +267,11 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     public_metrics: bool = False,
     warmup: bool = True,
+    chat_template: str | None = None,
 ) -> Any:
     """The FastAPI app. With `warmup` the engine thread compiles every step shape first, and
-    /health answers 503 "warming up" until it is done."""
+    /health answers 503 "warming up" until it is done. `chat_template` (Jinja text) replaces the
+    tokenizer's chat template."""
     st = ServerState(engine, model_name, fingerprint, warmup)
 
     @contextlib.asynccontextmanager
@@ -576,16 +578,19 @@ def build_app(
         check_model(req.model)
         check_stop_ids(req)
         tok = st.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        template = chat_template or getattr(tok, "chat_template", None)
+        if tok is None or not template:
             raise RequestError(
-                "this model's tokenizer has no chat template; use /v1/completions instead",
+                "this model's tokenizer has no chat template; use /v1/completions instead (or "
+                "start the server with --chat-template)",
                 "messages",
             )
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = await asyncio.to_thread(
-                tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True
-            )
+                tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True,
+                chat_template=template,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation
             raise RequestError(
                 f"the chat template rejected these messages: {clip(str(e), 200)}", "messages"
@@ -728,6 +733,7 @@ def serve(
     dtype: str = "bfloat16",
     max_body_bytes: int = MAX_BODY_BYTES,
     public_metrics: bool = False,
+    chat_template: str | None = None,
     **engine_kwargs: Any,
 ) -> None:
     """Blocking: load (if given a path), build the engine, serve until interrupted.
@@ -754,8 +760,21 @@ def serve(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         public_metrics=public_metrics,
+        chat_template=read_chat_template(chat_template),
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def read_chat_template(arg: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja chat template, or the template text itself."""
+    if arg is None:
+        return None
+    p = Path(arg)
+    if "{" not in arg and len(arg) < 4096 and p.is_file():
+        return p.read_text()
+    if "{" not in arg:
+        raise ValueError(f"--chat-template {arg!r} is neither a file nor a Jinja template")
+    return arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -773,6 +792,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413)"
     )
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template (a file or the text) replacing the tokenizer's",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--invariance", default="tp", choices=["tp", "batch", "none"])
     p.add_argument("--tp", type=int, default=1)
@@ -818,6 +842,7 @@ def main(argv: list[str] | None = None) -> None:
         public_metrics=a.public_metrics,
         max_body_bytes=a.max_body_bytes,
         served_model_name=a.served_model_name,
+        chat_template=a.chat_template,
         log_level=a.log_level,
         dtype=a.dtype,
         invariance=a.invariance,

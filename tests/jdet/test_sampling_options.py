@@ -348,3 +348,47 @@ def test_options_give_the_same_bits_under_tp2():
     two = run(engine(m, tp=2), reqs)
     for k in reqs:
         assert bits_equal(one[k], two[k]), k
+
+
+# ---------------------------------------------------------------------------- LLM.chat, prompts
+@pytest.fixture(scope="module")
+def llm(model):
+    import jdet
+
+    return jdet.LLM(model, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128,
+                    page_size=8, min_tokens_bucket=64, min_seqs_bucket=8)  # fmt: skip
+
+
+def test_prompt_logprobs_are_the_samplers_logprobs(llm):
+    """Teacher-forced prompt log-probs (score()'s plan) of prompt + generated tokens equal the
+    log-probs the sampler reported for those tokens, bitwise."""
+    import jdet
+
+    prompt = PROMPT[:7]
+    gen = llm.generate(prompt, jdet.SamplingParams(temperature=0.8, seed=4, max_tokens=9,
+                                                   ignore_eos=True))[0]  # fmt: skip
+    full = llm.generate(prompt + gen.token_ids,
+                        jdet.SamplingParams(max_tokens=1, prompt_logprobs=0))[0]  # fmt: skip
+    plp = full.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(prompt) + len(gen.token_ids)
+    got = np.asarray(plp[len(prompt) :], np.float32)
+    assert np.array_equal(got, gen.logprobs)
+    assert not np.array_equal(np.asarray(plp[len(prompt) - 1 : -1], np.float32), gen.logprobs)
+
+
+def test_chat_renders_the_template_and_batches_conversations(llm):
+    import jdet
+
+    sp = jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    one = llm.chat(conv, sp)[0]
+    assert one.prompt.endswith("<|im_start|>assistant\n") and "be brief" in one.prompt
+    ids = llm.tokenizer(one.prompt, add_special_tokens=False)["input_ids"]
+    assert one.token_ids == llm.generate(ids, sp)[0].token_ids
+    two = llm.chat([conv, [{"role": "user", "content": "fox"}]], sp)
+    assert two[0].token_ids == one.token_ids and len(two) == 2
+    custom = llm.chat(conv, sp, chat_template="{% for m in messages %}{{ m['content'] }}|"
+                      "{% endfor %}")  # fmt: skip
+    assert custom[0].prompt == "be brief|hello|"
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}], sp)

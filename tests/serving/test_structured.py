@@ -185,3 +185,25 @@ def test_server_fields(serving_model):
         assert r.status_code == 200, r.text
         r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "guided_regex": "a("})
         assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
+
+
+def test_server_chat_template_override(serving_model, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from serving.engine import Engine
+    from serving.server import build_app, read_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    template = read_chat_template(str(f))
+    eng = Engine(serving_model, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+                 page_size=16, min_tokens_bucket=64)  # fmt: skip
+    app = build_app(eng, model_name="m", fingerprint="fp", warmup=False, chat_template=template)
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        want = len(serving_model.tokenizer("[hi]", add_special_tokens=False)["input_ids"])
+        assert r.json()["usage"]["prompt_tokens"] == want
+    with pytest.raises(ValueError, match="neither a file"):
+        read_chat_template("no-such-file.jinja")
