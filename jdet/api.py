@@ -44,13 +44,15 @@ class LLM:
         min_tokens_bucket: int = 16,
         min_seqs_bucket: int = 1,
         min_pages_bucket: int = 32,
+        async_scheduling: bool = False,
     ) -> None:
         """`min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
         `compile_cache`: JAX's persistent compilation cache (True: `$JDET_CACHE_DIR` or
         ~/.cache/jdet/xla; a directory; False: off). `warmup`: compile every step shape on the
         first generate/stream (and every score shape on the first score), with a progress bar,
         so no call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes
-        then compile when first met)."""
+        then compile when first met). `async_scheduling`: dispatch each steady decode step
+        before the previous one's tokens reach the host (same bits; serving/engine.py)."""
         self.model = model if isinstance(model, Model) else load(model, dtype=dtype)
         self.cfg = self.model.cfg
         self.invariance = check_mode(invariance)
@@ -84,6 +86,7 @@ class LLM:
             min_tokens_bucket=min_tokens_bucket,
             min_seqs_bucket=min_seqs_bucket,
             min_pages_bucket=min_pages_bucket,
+            async_scheduling=async_scheduling,
         )
         if warmup is None:
             warmup = os.environ.get("JDET_WARMUP", "1") != "0"

@@ -125,6 +125,7 @@ class Engine:
         sharded: bool | None = None,
         keep_raw_metrics: bool = False,
         compile_cache: bool | str | Any = True,
+        async_scheduling: bool = False,
     ) -> None:
         """`min_*_bucket` shape the compiled step shapes (serving/model_runner.py `ShapeSet`);
         `compile_cache` is JAX's persistent compilation cache: True (`$JDET_CACHE_DIR` or
@@ -203,6 +204,9 @@ class Engine:
         self._pending: dict[Sequence, None] = {}  # sequences with tokens not yet reported
         self.num_steps = 0
         self.warm: set[str] = set()  # the kinds ("step", "score") whose shapes are compiled
+        self.async_scheduling = async_scheduling
+        self._inflight: tuple[list, Any] | None = None  # a step dispatched ahead, not yet fetched
+        self.num_steps_ahead = 0  # steps dispatched before their input tokens reached the host
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
         # Test hook for fault injection: called with each scheduled sequence while the step's
@@ -267,32 +271,74 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns outputs for requests that made visible progress."""
-        plan = self.scheduler.schedule()
-        now = time.perf_counter()
-        for seq, _ in plan:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-                self.metrics.observe("queue", now - seq.arrival_time)
+        """One engine iteration; returns outputs for requests that made visible progress.
+
+        With `async_scheduling`, a step whose sequences all sample and are all the running ones
+        (steady decode) dispatches the next decode step before its own tokens reach the host:
+        the next step's input tokens are this step's device output (`_dispatch_ahead`)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            plan, out = inflight  # dispatched by the previous call, from device-side tokens
+        else:
+            plan, out = self.scheduler.schedule(), None
+            now = time.perf_counter()
+            for seq, _ in plan:
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
+                    self.metrics.observe("queue", now - seq.arrival_time)
         try:
-            out = None
-            if plan:
+            if plan and out is None:
                 plan, prepared = self._prepare(plan)
                 if plan:
                     out = self.runner.dispatch(*prepared)
+            if plan and self.async_scheduling:
+                self._inflight = self._dispatch_ahead(plan, out)
             outputs = self._report()  # overlaps with the device
             if plan:
                 want_top = any(s.options.logprobs for s, _ in plan)
                 res = self.runner.fetch(out, len(plan), want_top)
                 self._apply(plan, res)
+            if self._inflight is not None and not any(
+                s.status is Status.RUNNING for s, _ in self._inflight[0]
+            ):
+                self._inflight = None  # every row of it finished meanwhile: nothing to fetch
             if not self.scheduler.has_work():
                 outputs += self._report()
         except Exception as e:
+            self._inflight = None
             log.exception("engine step failed and no single request explains it")
             self.recover(f"engine step failed: {type(e).__name__}: {e}")
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}") from e
         self._update_gauges(plan)
         return outputs
+
+    def _dispatch_ahead(self, plan: list[tuple[Sequence, int]], out: Any) -> Any:
+        """Dispatch the decode step after `plan` (still on the device) with `out.tokens` as its
+        input tokens, or return None when the host must see this step first: a sequence that
+        does not sample, a waiting or unscheduled sequence, a sequence certain to end
+        (max_tokens / max_model_len), too few pages, or another shape. Positions, slots and
+        sampling inputs are known on the host; a sequence that this step ends (EOS, stop token,
+        stop string) wastes its row of the next step, whose output is then dropped — its pages
+        are still its own while both steps run, since the device runs them in order."""
+        sched = self.scheduler
+        if sched.waiting or len(plan) != len(sched.running):
+            return None
+        for seq, n in plan:
+            o = seq.options
+            if seq.status is not Status.RUNNING or n != seq.num_uncomputed:
+                return None
+            if seq.num_tokens + 2 > self.max_model_len or (
+                o.max_tokens is not None and seq.num_output_tokens + 2 > o.max_tokens
+            ):
+                return None
+        if not all(self.block_manager.grow(seq, n + 1) for seq, n in plan):
+            return None
+        nxt = [(seq, 1) for seq, _ in plan]
+        prepared = self.runner.prepare_ahead(nxt, out.tokens)
+        if prepared is None:
+            return None
+        self.num_steps_ahead += 1
+        return nxt, self.runner.dispatch(*prepared)
 
     # ------------------------------------------------------------------ fault isolation
     def _prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[list, Any]:

@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from serving.block_manager import cdiv
 from serving.sequence import Sequence
@@ -213,10 +214,13 @@ class ModelRunner:
             self.params = rt.params
             self.kv = rt.init_kv(num_pages, page_size, self.kv_dtype)
             self.step_fn, self.score_fn = rt.step, rt.score
+            # where a step's sampled tokens live (replicated over the mesh): see dispatch
+            self.token_sharding = NamedSharding(rt.mesh, PartitionSpec())
         else:
             replicated = None
             self.kv = init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype)
             self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
+            self.token_sharding = SingleDeviceSharding(jax.devices()[0])
         from serving.logits_rows import LogitsRows
 
         # per-request logits transforms and structured output (serving/logits_rows.py)
@@ -276,6 +280,52 @@ class ModelRunner:
         )  # fmt: skip
         return batch, sampling
 
+    def prepare_ahead(self, plan: list[tuple[Sequence, int]], tokens: Any) -> tuple | None:
+        """The decode step after the one in flight, one row per sequence in the same order, its
+        input tokens the in-flight step's sampled `tokens` (a device array, never brought to the
+        host): sequence i's new token sits at position seq.num_tokens (the host does not know
+        it yet). None when `tokens` does not have the step's token shape (S bucket != T bucket:
+        the caller then runs the step the ordinary way, after the host has the tokens)."""
+        from jdet.batch import StepBatch
+        from jdet.step import SamplingInputs
+
+        B = self.page_size
+        S = len(plan)
+        Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.block_table) for s, _ in plan))
+        if tuple(tokens.shape) != (Tp,):
+            return None
+        if any(s.options.needs_logits_inputs for s, _ in plan):
+            return None  # penalties, masks, grammar read the previous token on the host (issue 19)
+        self.shapes_seen.add((Tp, Sp, Pp))
+        pos = np.zeros(Tp, np.int32)
+        slot = np.full(Tp, -1, np.int32)
+        qs = np.full(Sp + 1, S, np.int32)
+        qs[: S + 1] = np.arange(S + 1, dtype=np.int32)
+        cl = np.zeros(Sp, np.int32)
+        pt = np.zeros((Sp, Pp), np.int32)
+        rows = np.zeros(Sp, np.int32)
+        rows[:S] = np.arange(S, dtype=np.int32)
+        temp = np.zeros(Sp, np.float32)
+        top_k = np.zeros(Sp, np.int32)
+        top_p = np.ones(Sp, np.float32)
+        seed = np.zeros(Sp, np.uint32)
+        for s, (seq, _) in enumerate(plan):
+            p = seq.num_tokens
+            pages = np.asarray(seq.block_table, np.int32)
+            pos[s] = p
+            slot[s] = pages[p // B] * B + p % B
+            cl[s] = p + 1
+            pt[s, : len(pages)] = pages
+            o = seq.options
+            temp[s], top_k[s], top_p[s] = o.temperature, o.top_k, o.top_p
+            seed[s] = seq.seed
+        batch = StepBatch(tokens, pos, slot, qs, cl, pt, rows)
+        sampling = SamplingInputs(
+            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=cl.copy(),
+            logits=self.logits_rows.neutral(Sp, Pp * B),
+        )  # fmt: skip
+        return batch, sampling
+
     def warmup_batch(self, shape: tuple[int, int, int], kind: str = "step") -> tuple[Any, Any]:
         """A junk batch of `shape` (T, S, Pmax) that writes no K/V (every slot -1), so warming
         up never touches a page the prefix cache or a running sequence holds. One sequence of
@@ -328,7 +378,10 @@ class ModelRunner:
                     break
                 t0 = time.perf_counter()
                 batch, extra = self.warmup_batch(shape, kind)
-                self.kv, out = fn(self.params, self.kv, batch, extra)
+                if kind == "step":
+                    out = self.dispatch(batch, extra)
+                else:
+                    self.kv, out = fn(self.params, self.kv, batch, extra)
                 jax.block_until_ready(out)
                 if kind == "step":
                     self.shapes_seen.add(shape)
@@ -346,7 +399,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device side
     def dispatch(self, batch: Any, sampling: Any) -> Any:
-        """Launch the step (returns at once: JAX dispatch is asynchronous)."""
+        """Launch the step (returns at once: JAX dispatch is asynchronous).
+
+        Host token ids go to the device placed like a step's sampled tokens, which an ahead
+        step (`prepare_ahead`) takes as its input: one placement, so one executable per shape
+        whichever way the tokens came (a host array and a device array would be two)."""
+        if isinstance(batch.token_ids, np.ndarray):
+            tok = jax.device_put(batch.token_ids, self.token_sharding)
+            batch = dataclasses.replace(batch, token_ids=tok)
         self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
         return out
 
