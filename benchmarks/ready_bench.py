@@ -71,14 +71,17 @@ def start(a: argparse.Namespace) -> dict:
     if a.padding:
         res["padding"] = padding(eng, a)
         res["engine_decode_b1"] = engine_decode(eng, a)
+        eng.async_scheduling = True  # the same, each step dispatched before the last one's tokens
+        res["engine_decode_b1_async"] = engine_decode(eng, a, rid="b1-async")
+        res["engine_decode_b1_async"]["steps_ahead"] = eng.num_steps_ahead
     return res
 
 
-def engine_decode(eng: Any, a: argparse.Namespace) -> dict:
+def engine_decode(eng: Any, a: argparse.Namespace, rid: str = "b1") -> dict:
     """Batch-1 greedy decode at ctx `decode_ctx` through `Engine.step()` (host work included):
     median step time, to set against the device-only step of the same shape (padding rows)."""
     ids = np.random.default_rng(1).integers(1, eng.cfg.vocab_size, a.decode_ctx - 1).tolist()
-    eng.add_request("b1", ids, dict(temperature=0.0, max_tokens=a.decode_steps, ignore_eos=True))
+    eng.add_request(rid, ids, dict(temperature=0.0, max_tokens=a.decode_steps, ignore_eos=True))
     times = []
     while eng.has_unfinished():
         t0 = time.perf_counter()
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parser().parse_args(argv)
     if a.smoke:
-        a.shape, a.dtype, a.budget, a.max_num_seqs = "tiny", "float32", 32, 8
+        a.shape, a.dtype, a.budget, a.max_num_seqs = "tiny", "float32", 32, 16
         a.max_model_len, a.page_size, a.num_pages, a.decode_ctx = 128, 8, 600, 40
         a.iters, a.reps, a.decode_steps = 2, 2, 12
     if a.child:
