@@ -129,10 +129,10 @@ def device_step(runner: Any, batch: int, ctx: int, steps: int, step_fn: Any = No
     return median_seconds(one, sb, si, iters=max(4, steps // 4), reps=5, warmup=2)
 
 
-def engine_step(eng: Any, ctx: int, steps: int) -> dict:
+def engine_step(eng: Any, ctx: int, steps: int, rid: str = "b1") -> dict:
     """Batch-1 greedy generation through Engine.step: median step after the prefill."""
     ids = np.random.default_rng(1).integers(1, eng.cfg.vocab_size, ctx - 1).tolist()
-    eng.add_request("b1", ids, dict(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
+    eng.add_request(rid, ids, dict(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
     times, t_first = [], None
     t0 = time.perf_counter()
     while eng.has_unfinished():
@@ -218,6 +218,14 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
                         row["host_s"] = row["engine_step_s"] - row["device_step_s"]
                         if "floor_s" in row:
                             row["engine_vs_floor"] = row["engine_step_s"] / row["floor_s"]
+                        # the same request with async scheduling (step n+1 dispatched before
+                        # step n's tokens reach the host; same bits, tests/serving/test_async.py)
+                        eng.async_scheduling, ahead0 = True, eng.num_steps_ahead
+                        r2 = engine_step(eng, ctx, a.steps, rid="b1-async")
+                        eng.async_scheduling = False
+                        row["engine_async_step_s"] = r2["engine_step_s"]
+                        row["async_steps_ahead"] = eng.num_steps_ahead - ahead0
+                        row["host_async_s"] = r2["engine_step_s"] - row["device_step_s"]
                     except Exception:  # noqa: BLE001
                         row["engine_error"] = traceback.format_exc()[-2000:]
                 res["rows"].append(row)
@@ -442,7 +450,9 @@ def table(res: dict) -> str:
             f"{r['shape']} {r['mode']} {r['batch']} {r['ctx']} | {r['device_step_s'] * 1e3:.2f} "
             f"{r['device_tok_per_s']:.0f} {r['device_GBps']:.0f} {r.get('device_vs_floor', 0):.2f}"
             + (f" | {e * 1e3:.2f} {r.get('engine_vs_floor', 0):.2f} {r['host_s'] * 1e3:.2f}"
-               if e else "")  # fmt: skip
+               if e else "")
+            + (f" | async {r['engine_async_step_s'] * 1e3:.2f} host {r['host_async_s'] * 1e3:.2f}"
+               if "engine_async_step_s" in r else "")  # fmt: skip
         )
     for shape, ks in res["kernels"].items():
         for r in ks if isinstance(ks, list) else []:
