@@ -28,7 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # (0, 100]: prompt + generated tokens; > 1 discourages
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     min_p: float = 0.0  # keep tokens with p >= min_p * p_max (after temperature)
-    min_tokens: int = 0  # EOS / stop_token_ids (and stop strings) held off until this many
+    min_tokens: int = 0  # EOS and stop_token_ids banned until this many (stop strings apply)
     bad_words: list[str] | None = None  # words never generated (vLLM's token-sequence rule)
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated
     prompt_logprobs: int | None = None  # 0: also return the prompt tokens' log-probs

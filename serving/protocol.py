@@ -83,6 +83,8 @@ ACCEPTED_NO_OPS: dict[str, str] = {
     "store": "jdet stores nothing",
     "service_tier": "there is one tier",
     "request_id": "clients' tracing id (the response carries jdet's own id)",
+    "safety_identifier": "an end-user id for the client's own records",
+    "prompt_cache_key": "a cache-routing hint (jdet's prefix cache needs none)",
 }
 
 
