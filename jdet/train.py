@@ -122,12 +122,24 @@ def _engine_values(cfg: ModelConfig, invariance: str, tp: int, page_size: int) -
     return values
 
 
+class _XlaOps(Ops):
+    """The "none" ops with XLA's gather attention on every platform: on a GPU the "none" mode's
+    attention is a Pallas kernel (jdet/ops.py), which has no autodiff rule; this one does."""
+
+    def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float):
+        from pallas_kernels.paged_attention import paged_attention_xla
+
+        return paged_attention_xla(q, kv["k"], kv["v"], batch.page_table, batch.context_lens,
+                                   batch.query_start, batch.positions, scale=scale,
+                                   layer=layer)  # fmt: skip
+
+
 def _xla_values(cfg: ModelConfig, page_size: int) -> Callable:
     """(params, tokens) -> f32[B, T-1] by the plain-XLA ("none") forward: differentiable."""
     from jdet.model import forward
     from jdet.sampling import token_logprobs
 
-    ops = Ops("none")
+    ops = _XlaOps("none")
 
     def values(params: dict, tokens: jax.Array) -> jax.Array:
         batch, targets, pages = _flat_batch(tokens, page_size)

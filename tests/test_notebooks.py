@@ -1,16 +1,46 @@
-"""Every notebook executes top to bottom (its cells assert what they show)."""
+"""Every notebook executes top to bottom on CPU at its CI scale (its cells assert what they show),
+and notebooks/execute.py, which produced the committed outputs on a machine without Jupyter, records
+streams, figures and errors."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
+    monkeypatch.setenv("JDET_NB_SCALE", "ci")  # the small CPU setting, whatever the caller's env
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent.parent)}}).execute()
+                   resources={"metadata": {"path": str(ROOT)}}).execute()  # fmt: skip
+
+
+def test_execute_py_records_outputs_and_stops_at_an_error(tmp_path):
+    cells = [
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nprint('hello')\nplt.plot([1, 2])",
+        "x = 1 / 0",
+        "print('never')",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    src, dst = tmp_path / "in.ipynb", tmp_path / "out.ipynb"
+    nbformat.write(nb, src)
+    script = ROOT / "notebooks" / "execute.py"
+    run = subprocess.run([sys.executable, str(script), str(src), str(dst)], capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    out = nbformat.reads(dst.read_text(), as_version=4)
+    nbformat.validate(out)
+    first, second, third = (c.outputs for c in out.cells)
+    assert [o.output_type for o in first] == ["stream", "display_data"]
+    assert first[0].text == "hello\n" and "image/png" in first[1].data
+    assert second[0].output_type == "error" and second[0].ename == "ZeroDivisionError"
+    assert third == []
+    assert json.loads(dst.read_text())["nbformat"] == 4
