@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         rss, probes = [], []
 
         def probe_loop() -> None:  # its own thread: a slow answer must not stop RSS sampling
-            while not stop.wait(a.probe_every):
+            k = 1
+            while not stop.wait(max(0.0, t0 + k * a.probe_every - time.time())):
+                k = max(k + 1, int((time.time() - t0) // a.probe_every) + 1)  # fixed start times
                 t = time.time()
                 try:
                     got = probe(base, "soak")
