@@ -7,6 +7,12 @@ them with the step. A step where no row uses a transform gets neutral arrays tha
 the device per shape, so the common path transfers nothing extra; the device skips each transform
 that no row uses (`lax.cond`).
 
+Cost when used (not yet measured on a GPU; benchmarks/mask_bench.py): a step with any penalised
+row sends pen_ids + pen_counts of 8 * S * Pmax * page_size bytes (S = 256 at 8192 tokens: 16 MB)
+and recounts each penalised row's tokens on the host (np.unique, O(sequence length)); a step with
+any masked row sends 4 * S * ceil(V / 32) bytes (4 MB at S = 256, V = 128k). Keeping per-sequence
+token counts on the device instead would remove both; it needs a slot per sequence.
+
 What depends on the previous token (penalty counts, bad-word prefixes, the grammar state,
 whether min_tokens is reached) is read from the sequence when the batch is built, so a step that
 holds such a request needs the previous step's tokens on the host first. The engine today fetches
