@@ -179,7 +179,7 @@ def _at(tree, path):
 
 
 def test_tensor_parallel_forward(model, sampled, tp_step):
-    """TP > 1 under shard_map: "tp" at tp = 2 gives the tp = 1 bits (inside a jitted
+    """TP > 1 under shard_map: "tp" at tp = 2 and 4 gives the tp = 1 bits (at 2 inside a jitted
     value_and_grad, whose gradient does not depend on tp), "batch" at tp = 2 the bits of the TP
     engine in "batch" mode."""
     seqs = sampled["tp"][0]
@@ -187,6 +187,9 @@ def test_tensor_parallel_forward(model, sampled, tp_step):
     lp2, g2 = _value_and_grad(model, seqs, "tp", tp=2)
     assert np.array_equal(lp2, tp_step[0])
     jax.tree.map(_close, g2, tp_step[1])
+    # 4 > the 2 kv heads: kv heads replicated, as the engine does
+    lp4 = train.logprobs(model.params, tokens, cfg=model.cfg, mask=mask, invariance="tp", tp=4)
+    assert np.array_equal(np.asarray(lp4), tp_step[0])
 
     scores = jdet.LLM(model, tp=2, invariance="batch", max_num_batched_tokens=16).score(seqs)
     lp = np.asarray(train.logprobs(model.params, tokens, cfg=model.cfg, mask=mask,
