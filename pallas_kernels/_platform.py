@@ -1,12 +1,16 @@
-"""Where a kernel runs: compiled on a GPU, interpreted everywhere else.
+"""Where a kernel runs: compiled Pallas on a GPU, plain XLA with fixed reduction orders on a CPU.
 
-Why: CI has no GPU, so every Pallas kernel must also run in interpret mode on the CPU; on a GPU the
-same `pallas_call` compiles (Triton lowering), and Hopper-only paths use Mosaic GPU.
+Why: on a GPU the `pallas_call`s compile (Triton lowering; Hopper paths use Mosaic GPU). On a CPU
+Pallas can only interpret them, one grid point after another, which made the embedded model
+generate a few tokens per second; so the CPU runs `xla_fixed` (same invariance, its own bits).
+JDET_PALLAS_INTERPRET=1 brings back the interpret-mode kernels on a CPU: the kernel tests use it,
+since those kernels are the GPU path and the reference for GPU bits.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
@@ -21,6 +25,43 @@ def platform() -> str:
 def interpret_default() -> bool:
     """Interpret Pallas kernels unless the default backend can compile them."""
     return platform() not in ("gpu", "tpu")
+
+
+INTERPRET_ENV = "JDET_PALLAS_INTERPRET"
+
+
+def pallas_interpret_forced() -> bool:
+    """True when JDET_PALLAS_INTERPRET=1 asks for the Pallas kernels in interpret mode on CPU."""
+    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def xla_fixed_default() -> bool:
+    """Whether a kernel called with backend 'auto' runs its `xla_fixed` version: on a CPU,
+    unless JDET_PALLAS_INTERPRET=1. Read at trace time (a jitted step keeps what it traced)."""
+    return platform() == "cpu" and not pallas_interpret_forced()
+
+
+def resolve(backend: str | None, name: str) -> str:
+    """'xla' or 'pallas' for a kernel without a Mosaic version (backend None/'auto' chooses)."""
+    backend = backend or "auto"
+    if backend not in ("auto", "pallas", "xla"):
+        raise ValueError(f"{name}: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")
+    if backend == "auto":
+        return "xla" if xla_fixed_default() else "pallas"
+    return backend
+
+
+def kernel_backend() -> str:
+    """A name for the kernel implementation the invariant modes run here (its bits differ from
+    the others'): 'xla-fixed-cpu', 'pallas-interpret', 'mosaic-gpu', 'pallas-triton' or
+    'pallas-<platform>'. The system fingerprint includes it."""
+    if xla_fixed_default():
+        return "xla-fixed-cpu"
+    if interpret_default():
+        return "pallas-interpret"
+    if is_hopper():
+        return "mosaic-gpu"
+    return "pallas-triton" if platform() == "gpu" else f"pallas-{platform()}"
 
 
 def is_hopper() -> bool:

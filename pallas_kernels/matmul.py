@@ -9,7 +9,8 @@ computed by the same program position, with the same tile shapes and the same or
 Backends (chosen by `resolve_backend`): Hopper GPU -> Mosaic GPU kernel (`matmul_mosaic.py`: the
 same kind of plan -- fixed 64-wide K steps into an f32 accumulator -- with CTA shapes that may
 follow M, never changing an element's arithmetic); other GPUs -> this module's `pl.pallas_call`
-(Triton lowering); CPU -> the same `pallas_call` in interpret mode. Invariance holds within a
+(Triton lowering); CPU -> `xla_fixed.matmul` (fixed-shape XLA dots, plan in that module), or
+with JDET_PALLAS_INTERPRET=1 the same `pallas_call` in interpret mode. Invariance holds within a
 backend; bits differ across backends.
 """
 
@@ -25,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform
 
-BACKENDS = ("auto", "mosaic", "pallas")
+BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +84,15 @@ def _check_operands(a: jax.Array, b: jax.Array) -> jnp.dtype:
 
 
 def resolve_backend(backend: str | None) -> str:
-    """'mosaic' on Hopper (when the Mosaic GPU module imports), else 'pallas'."""
+    """'mosaic' on Hopper (when the Mosaic GPU module imports), 'xla' (`xla_fixed`) on a CPU
+    unless JDET_PALLAS_INTERPRET=1, else 'pallas'."""
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
+    if _platform.xla_fixed_default():
+        return "xla"
     if _platform.is_hopper():
         try:
             from pallas_kernels import matmul_mosaic  # noqa: F401
@@ -167,10 +171,16 @@ def matmul(
     a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None, *, backend: str | None = None
 ) -> jax.Array:
     """Batch-invariant a[M, K] @ b[K, N] with f32 accumulation, cast to out_dtype (default:
-    the operands' dtype). `backend` ('auto', 'mosaic', 'pallas') exists for tests/benchmarks."""
+    the operands' dtype). `backend` ('auto', 'mosaic', 'pallas', 'xla') exists for
+    tests/benchmarks."""
     dtype = _check_operands(a, b)
     out_dtype = jnp.dtype(out_dtype or dtype)
-    if resolve_backend(backend) == "mosaic":
+    resolved = resolve_backend(backend)
+    if resolved == "xla":
+        from pallas_kernels import xla_fixed
+
+        return xla_fixed.matmul(a, b, out_dtype)
+    if resolved == "mosaic":
         from pallas_kernels import matmul_mosaic
 
         if matmul_mosaic.supports(a.shape[1], b.shape[1], dtype):

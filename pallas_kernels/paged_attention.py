@@ -46,7 +46,9 @@ Requirement: every cache slot holds finite values (`init_kv_cache` zero-fills). 
 contributes p = 0, and 0 * v is 0 only for finite v; slots past a context inside its last page
 (and page 0, which padded page-table entries point at) are loaded and masked, never trusted.
 
-Backends: `pl.pallas_call` — compiled with the Triton lowering on a GPU, interpreted on CPU.
+Backends: `pl.pallas_call` — compiled with the Triton lowering on a GPU. On a CPU
+`xla_fixed.paged_attention` runs instead (the same KV blocks aligned to position 0, in plain XLA;
+its plan is in that module), or this kernel in interpret mode with JDET_PALLAS_INTERPRET=1.
 Invariance holds within a backend; bits differ across backends.
 """
 
@@ -321,6 +323,61 @@ STRUCTURES = ("auto", "split", "looped")
 SPLIT_BELOW_PROGRAMS = 4096
 
 
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    query_start: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    partition_size: int = 512,
+    layer: jax.Array | None = None,
+    block_kv: int | None = None,
+    structure: str = "auto",
+    block_rows: int = ROWS,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    backend: str | None = None,
+) -> jax.Array:
+    """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
+
+    `backend`: 'auto' (this kernel; on a CPU `xla_fixed.paged_attention`, the same KV blocks
+    aligned to position 0, unless JDET_PALLAS_INTERPRET=1), 'pallas' or 'xla'. The other
+    arguments are `_paged_attention_pallas`'s; `structure`, `block_rows` and the launch
+    parameters only concern the Pallas kernel.
+    """
+    if _platform.resolve(backend, "paged_attention") == "pallas":
+        return _paged_attention_pallas(
+            q, k_cache, v_cache, page_table, context_lens, query_start, positions,
+            scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
+            structure=structure, block_rows=block_rows, num_warps=num_warps,
+            num_stages=num_stages,
+        )  # fmt: skip
+    from pallas_kernels import xla_fixed
+
+    one = k_cache
+    if layer is not None:
+        if k_cache.ndim != 5:
+            raise ValueError(f"with `layer`, k/v caches are [L, K, P, B, E]; got {k_cache.shape}")
+        one = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+    _check(q, one, one if layer is not None else v_cache, page_table, context_lens, query_start,
+           positions, partition_size)  # fmt: skip
+    page_size = one.shape[2]
+    bk = block_kv or default_block_kv(partition_size, page_size)
+    if partition_size % bk or bk % page_size:
+        raise ValueError(
+            f"block_kv ({bk}) must divide partition_size ({partition_size}) and be a multiple of "
+            f"the page size ({page_size})"
+        )
+    return xla_fixed.paged_attention(
+        q, k_cache, v_cache, page_table, context_lens, query_start, positions,
+        scale=float(scale), block_kv=bk, layer=layer,
+    )  # fmt: skip
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -328,7 +385,7 @@ SPLIT_BELOW_PROGRAMS = 4096
         "num_stages",
     ),
 )  # fmt: skip
-def paged_attention(
+def _paged_attention_pallas(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,

@@ -6,8 +6,9 @@ lanes with one fixed-shape reduction. Nothing depends on the number of rows T, s
 the same for any T. Rounding follows Hugging Face (Llama/Qwen): the normalised row is rounded to
 x.dtype before the multiply by the weight, which is done in x.dtype.
 
-One kernel for every backend: Triton on a GPU, interpret mode on CPU (RMSNorm is memory-bound; a
-row per program already streams at copy speed, so Hopper needs no Mosaic version).
+One kernel for every GPU: Triton (RMSNorm is memory-bound; a row per program already streams at
+copy speed, so Hopper needs no Mosaic version). On a CPU `xla_fixed.rms_norm` (a halving tree
+over D), or this kernel in interpret mode with JDET_PALLAS_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -67,11 +68,24 @@ def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float, block_d: int):
     lax.fori_loop(0, steps, out_body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
-def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant."""
+def rms_norm(
+    x: jax.Array, w: jax.Array, eps: float = 1e-6, *, backend: str | None = None
+) -> jax.Array:
+    """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant.
+
+    `backend`: 'auto' (this kernel; `xla_fixed.rms_norm` on a CPU unless JDET_PALLAS_INTERPRET=1),
+    'pallas' or 'xla'."""
     if x.ndim != 2 or w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm expects x[T, D] and w[D]; got {x.shape} and {w.shape}")
+    if _platform.resolve(backend, "rms_norm") == "xla":
+        from pallas_kernels import xla_fixed
+
+        return xla_fixed.rms_norm(x, w, float(eps))
+    return _rms_norm_pallas(x, w, float(eps))
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _rms_norm_pallas(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     t, d = x.shape
     block_d = block_d_for(d)
     interpret = _platform.interpret_default()

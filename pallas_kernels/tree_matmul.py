@@ -24,7 +24,8 @@ combination `sharding`'s tree all-reduce performs (partner rank ^ d, lower rank'
 
 Tiles along M and N are those of `matmul.tile_config` (never a function of M), so the result is
 batch invariant like `matmul`. Backends as in `matmul`: Mosaic GPU on Hopper, Triton elsewhere,
-interpret mode on CPU.
+`xla_fixed.tree_subtree` on CPU (the same leaves and tree, each leaf one fixed-shape XLA dot),
+interpret mode on CPU with JDET_PALLAS_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -115,7 +116,15 @@ def _tree_pallas(a, b, *, k_total: int, num_leaves: int, out_dtype):
 
 def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | None):
     dtype = _mm._check_operands(a, b)
-    if _mm.resolve_backend(backend) == "mosaic":
+    resolved = _mm.resolve_backend(backend)
+    if resolved == "xla":
+        from pallas_kernels import xla_fixed
+
+        leaf_k = tree_plan(k_total, dtype).leaf_k
+        return xla_fixed.tree_subtree(
+            a, b, leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=jnp.dtype(out_dtype)
+        )
+    if resolved == "mosaic":
         from pallas_kernels import matmul_mosaic
 
         if matmul_mosaic.supports(k_total, b.shape[1], dtype, tree=True):

@@ -5,7 +5,8 @@ exact in any order). Pass 2 walks V in fixed blocks of BLOCK_V lanes, accumulati
 lane-wise in f32, then sums the BLOCK_V lanes with one fixed-shape reduction; lse = max + log(sum).
 Pass 3 (log_softmax) writes x - lse. BLOCK_V is a constant and nothing depends on the number of
 rows N, so row i is bitwise the same for any N (XLA's own row reductions are not: on an H100
-`sum(x*x, -1)` of row 0 changes between B=2 and B=7).
+`sum(x*x, -1)` of row 0 changes between B=2 and B=7). On a CPU `xla_fixed` runs instead (the sum
+as a halving tree over V), or these kernels in interpret mode with JDET_PALLAS_INTERPRET=1.
 
 Top-p (`cumsum_fixed_order`, `top_p_mask`): an inclusive Hillis-Steele scan built only from
 element-wise adds of shifted copies (log2(V) steps). Element-wise ops compute every element the
@@ -104,15 +105,38 @@ def _row_call(kernel, x: jax.Array, out_cols: int | None, name: str) -> jax.Arra
 
 
 @jax.jit
-def logsumexp(x: jax.Array) -> jax.Array:
-    """Row-wise logsumexp of x[N, V] in f32, batch invariant."""
+def _logsumexp_pallas(x: jax.Array) -> jax.Array:
     return _row_call(_lse_kernel, x, None, "bi_logsumexp")[:, 0]
 
 
 @jax.jit
-def log_softmax(x: jax.Array) -> jax.Array:
-    """Row-wise log_softmax of x[N, V] in f32, batch invariant."""
+def _log_softmax_pallas(x: jax.Array) -> jax.Array:
     return _row_call(_log_softmax_kernel, x, x.shape[1], "bi_log_softmax")
+
+
+def _use_xla(x: jax.Array, backend: str | None, name: str) -> bool:
+    if x.ndim != 2:
+        raise ValueError(f"{name} expects logits x[N, V]; got shape {x.shape}")
+    return _platform.resolve(backend, name) == "xla"
+
+
+def logsumexp(x: jax.Array, *, backend: str | None = None) -> jax.Array:
+    """Row-wise logsumexp of x[N, V] in f32, batch invariant. `backend`: 'auto' (this kernel;
+    `xla_fixed` on a CPU unless JDET_PALLAS_INTERPRET=1), 'pallas' or 'xla'."""
+    if _use_xla(x, backend, "logsumexp"):
+        from pallas_kernels import xla_fixed
+
+        return xla_fixed.logsumexp(x)
+    return _logsumexp_pallas(x)
+
+
+def log_softmax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
+    """Row-wise log_softmax of x[N, V] in f32, batch invariant. `backend` as in `logsumexp`."""
+    if _use_xla(x, backend, "log_softmax"):
+        from pallas_kernels import xla_fixed
+
+        return xla_fixed.log_softmax(x)
+    return _log_softmax_pallas(x)
 
 
 def logsumexp_reference(x: jax.Array) -> jax.Array:

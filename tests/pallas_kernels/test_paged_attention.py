@@ -1,11 +1,11 @@
 """Paged attention: accuracy against the f32 reference and bitwise invariance of every query row
 to batch composition, chunk size, prefill vs decode, physical page placement and padding.
 
-CPU tests run the Pallas kernel in interpret mode at tiny sizes (page 8, partition 32, so several
-partitions and several KV blocks per partition are exercised); `gpu` tests repeat the invariance
-checks compiled at realistic sizes. Every call gets a freshly drawn cache in which all slots a
-query must not see (other sequences, positions past the chunk's end, unused pages) hold fresh
-random junk, so a masking bug changes the output.
+CPU tests run the Pallas kernel in interpret mode (JDET_PALLAS_INTERPRET=1, set by conftest) at
+tiny sizes (page 8, partition 32, so several partitions and several KV blocks per partition are
+exercised); `gpu` tests repeat the invariance checks compiled at realistic sizes. Every call gets
+a freshly drawn cache in which all slots a query must not see (other sequences, positions past
+the chunk's end, unused pages) hold fresh random junk, so a masking bug changes the output.
 """
 
 from __future__ import annotations
@@ -240,19 +240,27 @@ def test_stacked_cache_with_layer_index_equals_the_sliced_layer():
             assert_bits_equal(np.asarray(got), np.asarray(ref), f"{structure} layer {layer}")
 
 
-def test_negative_control_plain_xla_attention_chunked_vs_whole():
-    """Plain XLA attention (one softmax over the whole context) run chunked vs whole.
+def chunk_dependent_attention(*args, scale, partition_size):
+    """Negative-control variant: attention whose KV block is chosen from the chunk's token count
+    (an order that provably follows the chunking; the CPU path, to stay fast)."""
+    block_kv = 8 if args[0].shape[0] < 16 else 16
+    return paged_attention(*args, scale=scale, partition_size=partition_size, block_kv=block_kv,
+                           backend="xla")  # fmt: skip
 
-    Where it differs, this shows the invariance tests above could fail; where it does not (XLA
-    CPU can happen to be row-stable at these sizes), the skip message records that.
-    """
+
+def test_negative_control_plain_xla_attention_chunked_vs_whole():
+    """Plain XLA attention (one softmax over the whole context) run chunked vs whole, or where XLA
+    CPU happens to be chunk-invariant at these sizes, the chunk-dependent variant: the comparison
+    the tests above make must find a difference."""
     w = make_world(2, [75], kh=2, h=8, e=64, dtype=jnp.bfloat16)
-    whole = run_chunked(w, 0, 75, 75, t_pad=None, fn=paged_attention_xla)
-    diffs = {c: int((run_chunked(w, 0, 75, c, t_pad=None, fn=paged_attention_xla) != whole).sum())
-             for c in (1, 7, 16, 64)}  # fmt: skip
-    if not any(diffs.values()):
-        pytest.skip(f"XLA CPU attention was chunk-invariant here (differing elements {diffs})")
-    assert any(diffs.values())
+    diffs = {}
+    for fn in (paged_attention_xla, chunk_dependent_attention):
+        whole = run_chunked(w, 0, 75, 75, t_pad=None, fn=fn)
+        diffs = {c: int((run_chunked(w, 0, 75, c, t_pad=None, fn=fn) != whole).sum())
+                 for c in (1, 7, 16, 64)}  # fmt: skip
+        if any(diffs.values()):
+            break
+    assert any(diffs.values()), f"no chunk size changed any element ({diffs})"
 
 
 def test_negative_control_a_different_reduction_plan_changes_the_bits():
@@ -329,6 +337,8 @@ def test_gpu_negative_control_plain_xla_attention_differs():
     diffs = {c: int((run_chunked(w, 0, 1100, c, t_pad=None, fn=paged_attention_xla) != whole)
                     .sum()) for c in (64, 256)}  # fmt: skip
     print("XLA attention differing elements by chunk size:", diffs, "on", jax.devices()[0])
-    if not any(diffs.values()):
-        pytest.skip(f"XLA GPU attention was chunk-invariant here ({diffs})")
-    assert any(diffs.values())
+    if not any(diffs.values()):  # then the chunk-dependent variant must show the difference
+        whole = run_chunked(w, 0, 1100, 1100, t_pad=None, fn=chunk_dependent_attention)
+        diffs = {c: int((run_chunked(w, 0, 1100, c, t_pad=None, fn=chunk_dependent_attention)
+                         != whole).sum()) for c in (8, 256)}  # fmt: skip
+    assert any(diffs.values()), f"no chunk size changed any element ({diffs})"

@@ -67,15 +67,23 @@ def test_tree_allreduce_rejects_a_non_power_of_two_axis():
         jax.jit(f)(np.ones((3, 4), np.float32))
 
 
-def test_psum_negative_control_records_whether_xla_order_differs_from_the_tree():
-    """lax.psum promises no order; where this backend's differs from the tree, show it."""
+def _serial_allreduce(a, axis_name):
+    """The negative control's all-reduce: every device sums the gathered parts left to right
+    (((0+1)+2)+3)..., an order that differs from the tree for n >= 4."""
+    parts = jax.lax.all_gather(a, axis_name)
+    return _left_fold(list(parts))
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_negative_control_an_all_reduce_in_serial_order_fails_the_tree_comparison(n):
+    """The comparison the tests above make (every device vs the pairwise tree, bitwise) fails
+    for an all-reduce that sums in another order: it can detect a wrong combination order."""
     rng = np.random.default_rng(3)
-    x = _spread(rng, (8, 4, 64))
-    out = _run(lambda a: jax.lax.psum(a, "tp"), x)
+    x = _spread(rng, (n, 4, 64))
+    out = _run(lambda a: _serial_allreduce(a, "tp"), x)
     ref = tree_sum_reference(list(x))
-    if np.array_equal(out[0], ref):
-        pytest.xfail(f"psum on {jax.default_backend()} happens to sum in tree order here")
-    assert not np.array_equal(out[0], ref)
+    assert np.allclose(out[0], ref, rtol=1e-5, atol=1e-3 * np.abs(x).max())
+    assert not np.array_equal(out[0], ref), "a serial all-reduce matched the tree bitwise"
 
 
 @pytest.mark.parametrize(("n", "rows", "expected"), [(2, 128, "exchange"), (4, 1100, "halving_ag")])

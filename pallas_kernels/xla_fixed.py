@@ -1,0 +1,271 @@
+"""The invariant kernels as plain XLA for CPU backends: fixed-shape dots and fixed-tree sums.
+
+Why: on a CPU the Pallas kernels can only run in interpret mode, which executes every grid point
+one after another (the embedded 7.7M-parameter model took ~17-50 s for 24 tokens). These are
+ordinary jnp/lax programs that XLA compiles, with every reduction order fixed by model shapes.
+Backend "xla" of `matmul`, `tree_matmul(_partial)`, `rms_norm`, `log_softmax`, `logsumexp` and
+`paged_attention`; the default on CPU (`_platform.xla_fixed_default`; JDET_PALLAS_INTERPRET=1
+brings back the interpret-mode Pallas kernels). CPU bits differ from GPU bits; invariance holds
+within the backend, in every cell the GPU is tested on.
+
+What XLA CPU does with a dot (measured on the 2-core CI machine, JAX 0.10.2, rows of A[:M] @ B
+compared with np.array_equal against the rows of the M=512 product, M in {1,2,3,7,16,64,512},
+(K, N) in {(256,768), (768,256), (512,256), (256,8192), (64,256)}):
+- a plain `jnp.dot`: bf16 row 0 changes at M=1 (matrix-vector path); f32 rows change between
+  M <= 16 and M = 512 (different GEMM blocking); so does a sequence of 32-wide K-tile dots with
+  M padded to 8 when N = 8192, and column shards (N/2, N/8) of a padded-M f32 dot.
+- stable for every M, every row position and every column shard, in bf16 and f32: M cut into
+  blocks of BM rows (`lax.map`, one block per iteration) and N into blocks of BN columns (a batch
+  dimension of `dot_general`), so that every dot XLA runs has the one shape [BM, Kd] x [Kd, BN]
+  with Kd fixed by the weight. M and N then only choose how many identical dots run.
+So that is the rule here: a dot's shape never depends on M, N or the batch.
+
+Reduction plans (each a function of model shapes only):
+- `matmul` (BIO): every [BM, K] x [K, BN] block is one dot over the whole K (XLA's own order for
+  that fixed shape, f32 accumulation), cast at the end.
+- `tree_subtree` (TBIK, `tree_matmul` and `tree_matmul_partial`): K is cut into the leaves of
+  `tree_plan(K)` (num_leaves leaves of leaf_k columns); each leaf is one fixed-shape dot
+  [BM, leaf_k] x [leaf_k, BN] in f32, and the leaves combine in the fixed binary tree of
+  `combine_tree` (0+1, 2+3, ..., lower K on the left). A TP shard holds whole leaves of the same
+  shape, so its result is exactly that subtree, and the tree all-reduce finishes the same tree.
+- `rms_norm`: x^2 is formed in f32 behind an optimization barrier (so no FMA contraction can fuse
+  it into the adds), then summed over D by a halving tree (x[:h] + x[h:], D zero-padded to a power
+  of two): element-wise adds only, each element computed the same way whatever T is.
+- `logsumexp` / `log_softmax`: the row max (exact in any order), then exp(x - max) summed by the
+  same halving tree over V; lse = max + log(sum).
+- `paged_attention`: KV positions cut into blocks of block_kv tokens aligned to position 0
+  (`default_block_kv(partition_size, page_size)`, as the Pallas plan), folded in increasing order
+  with the online-softmax rule from the sentinel (m, l, acc) = (-inf, 0, 0). Per query token (the
+  tokens run in lax.map groups of TB, each group a loop over the blocks its tokens need):
+      s = (q . k) * scale   one fixed-shape dot [1, E] x [E, block_kv] per (token, query head)
+      s = -inf where kv_pos > p;  m' = max(m, max s);  m* = (m' == -inf ? 0 : m')
+      p = exp(s - m*);  alpha = exp(m - m*);  l = l*alpha + halving_tree(p)
+      acc = acc*alpha + p.astype(v) @ v   (one fixed-shape dot [1, block_kv] x [block_kv, E])
+  out = acc / l. A block wholly past a token's position is an exact identity on its state
+  (alpha = 1, p = 0), so neither the loop's trip count (the longest context in the token's group)
+  nor the batch's page-table width shows in its bits: one-shot prefill, chunked prefill and decode
+  give the same bits. The loop body has one shape whatever the batch (every value is [TB, ...]),
+  so XLA compiles the same arithmetic for every step. Dots are per query head, not per kv head
+  ([G, E] x [E, block_kv]): G differs between TP sizes when kv heads are replicated, and a dot of
+  another shape may round differently (TP=8 disagreed with TP=1 on the tiny test model).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Rows of every matmul dot. Fixed: it is part of the plan (changing it may change bits).
+BM = 8
+# Columns of every matmul dot (a TP column shard narrower than BN is zero-padded to BN).
+BN = 128
+# Query tokens per iteration of the attention loop (how much KV is gathered at once).
+TB = 8
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value: float = 0) -> jax.Array:
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum over `axis` by a halving tree: x[:h] + x[h:] until one element (zero-padded to a power
+    of two). Element-wise adds only, so the bits never depend on the other axes' sizes; a longer
+    zero tail leaves the result unchanged (its first level adds exact zeros)."""
+    x = jnp.moveaxis(x, axis, -1)
+    x = _pad_axis(x, -1, _next_pow2(x.shape[-1]))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def _combine_pairwise(parts: list[jax.Array]) -> jax.Array:
+    """(0+1), (2+3), ... then up, lower index on the left (tree_matmul.combine_tree's order)."""
+    level = list(parts)
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    return level[0]
+
+
+@functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
+def tree_subtree(
+    a: jax.Array, b: jax.Array, *, leaf_k: int, num_leaves: int, out_dtype
+) -> jax.Array:
+    """a[M, Ks] @ b[Ks, N] as `num_leaves` leaves of `leaf_k` columns (Ks zero-padded to
+    num_leaves * leaf_k), each a fixed-shape dot, combined in the pairwise tree; f32 until the
+    final cast. num_leaves=1 with leaf_k=K is the BIO matmul."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    a, b = a.astype(dtype), b.astype(dtype)
+    m, n = a.shape[0], b.shape[1]
+    kp = num_leaves * leaf_k
+    mp = -(-max(m, 1) // BM) * BM
+    np_ = -(-n // BN) * BN
+    nb = np_ // BN
+    a = _pad_axis(_pad_axis(a, 1, kp), 0, mp)
+    b = _pad_axis(_pad_axis(b, 0, kp), 1, np_)
+    # b as [leaf, n block, leaf_k, BN]; a as [m block, leaf, BM, leaf_k].
+    b4 = b.reshape(num_leaves, leaf_k, nb, BN).transpose(0, 2, 1, 3)
+    a4 = a.reshape(mp // BM, BM, num_leaves, leaf_k).transpose(0, 2, 1, 3)
+    precision = lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize > 2 else None
+    dims = (((3,), (2,)), ((0, 1), (0, 1)))  # batch (leaf, n block); contract leaf_k
+
+    def block(x: jax.Array) -> jax.Array:  # x [leaf, BM, leaf_k] -> [BM, Np] f32
+        xb = jnp.broadcast_to(x[:, None], (num_leaves, nb, BM, leaf_k))
+        parts = lax.dot_general(
+            xb, b4, dims, precision=precision, preferred_element_type=jnp.float32
+        )  # [leaf, nb, BM, BN]
+        acc = _combine_pairwise([parts[i] for i in range(num_leaves)])
+        return acc.transpose(1, 0, 2).reshape(BM, np_)
+
+    out = lax.map(block, a4)  # [m blocks, BM, Np]
+    return out.reshape(mp, np_)[:m, :n].astype(out_dtype)
+
+
+def matmul(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """BIO a[M, K] @ b[K, N]: one fixed-shape [BM, K] x [K, BN] dot per block, f32 accumulate."""
+    return tree_subtree(a, b, leaf_k=a.shape[1], num_leaves=1, out_dtype=jnp.dtype(out_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm of x[T, D]: f32 statistics by a halving tree over D, Hugging Face rounding."""
+    d = x.shape[1]
+    x32 = x.astype(jnp.float32)
+    sq = lax.optimization_barrier(x32 * x32)
+    inv = 1.0 / jnp.sqrt(tree_sum(sq) / d + eps)
+    normed = (x32 * inv[:, None]).astype(x.dtype)
+    return (w.astype(x.dtype).astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+
+
+def _row_lse(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    m = jnp.max(x, axis=-1)
+    e = lax.optimization_barrier(jnp.exp(x - m[:, None]))
+    return m + jnp.log(tree_sum(e))
+
+
+@jax.jit
+def logsumexp(x: jax.Array) -> jax.Array:
+    """Row-wise logsumexp of x[N, V] in f32 (halving-tree sum over V)."""
+    return _row_lse(x)
+
+
+@jax.jit
+def log_softmax(x: jax.Array) -> jax.Array:
+    """Row-wise log_softmax of x[N, V] in f32: x - logsumexp(x)."""
+    return x.astype(jnp.float32) - _row_lse(x)[:, None]
+
+
+def _token_seq(query_start: jax.Array, t: int):
+    qs = query_start.astype(jnp.int32)
+    s = qs.shape[0] - 1
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = (jnp.searchsorted(qs, tok, side="right", method="compare_all") - 1).astype(jnp.int32)
+    seq_c = jnp.clip(seq, 0, s - 1)
+    ok = (seq >= 0) & (seq < s) & (tok >= qs[seq_c]) & (tok < qs[seq_c + 1])
+    return seq_c, ok
+
+
+def _merge_block(state, s, v, precision):
+    """Fold one KV block (scores s [TB, K, G, bk], values v [TB, K, bk, E]) into the running
+    (m, l, acc) with the online-softmax rule; a fully masked block is an exact identity."""
+    m, lsum, acc = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # exact
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = lax.optimization_barrier(jnp.exp(s - m_safe[..., None]))
+    alpha = lax.optimization_barrier(jnp.exp(m - m_safe))
+    lsum = lsum * alpha + tree_sum(p)
+    pv = lax.dot_general(
+        p.astype(v.dtype)[..., None, :], v, (((4,), (3,)), ((0, 1, 2), (0, 1, 2))),
+        precision=precision, preferred_element_type=jnp.float32,
+    )[..., 0, :]  # fmt: skip  [TB, K, G, E]: one [1, bk] x [bk, E] dot per (token, query head)
+    return m_new, lsum, acc * alpha[..., None] + pv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv"))
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    query_start: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    block_kv: int,
+    layer: jax.Array | None = None,
+) -> jax.Array:
+    """Causal paged attention of q[T, H, E] (plan in the module docstring); padding rows -> 0.
+
+    k_cache/v_cache [K, P, B, E], or the stacked [L, K, P, B, E] cache with `layer`. The caller
+    (`paged_attention.paged_attention`) has validated shapes and chosen block_kv."""
+    if layer is not None:
+        k_cache = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+        v_cache = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    t, h, e = q.shape
+    kh, num_pages, page, _ = k_cache.shape
+    g = h // kh
+    s, pmax = page_table.shape
+    ppb = block_kv // page  # pages per block
+    nblk = max(1, -(-(pmax * page) // block_kv))
+    pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    pt = _pad_axis(pt, 1, nblk * ppb)  # page 0 is finite (zero-filled) and masked
+    seq, ok = _token_seq(query_start, t)
+    lim = jnp.minimum(positions.astype(jnp.int32) + 1, context_lens.astype(jnp.int32)[seq])
+    lim = jnp.where(ok, jnp.maximum(lim, 0), 0)
+    tp = -(-t // TB) * TB
+    qg = _pad_axis(q.reshape(t, kh, g, e), 0, tp).reshape(tp // TB, TB, kh, g, e)
+    seq_b = _pad_axis(seq, 0, tp).reshape(tp // TB, TB)
+    lim_b = _pad_axis(lim, 0, tp).reshape(tp // TB, TB)
+    precision = lax.Precision.HIGHEST if jnp.dtype(q.dtype).itemsize > 2 else None
+    col = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def one(args):
+        qq, ss, ll = args  # [TB, K, G, E], [TB], [TB]
+        qq = qq.astype(k_cache.dtype)
+        pages = pt[ss]  # [TB, nblk * ppb]
+
+        def body(j, state):
+            blk = lax.dynamic_slice_in_dim(pages, j * ppb, ppb, axis=1)  # [TB, ppb]
+            # Per query head, so that a dot's shape never depends on G (heads per kv head on
+            # this device): TP shards with replicated kv heads have other G than TP=1.
+            k = k_cache[:, blk].reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
+            v = v_cache[:, blk].reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
+            k = jnp.broadcast_to(k, (TB, kh, g, block_kv, e))
+            v = jnp.broadcast_to(v, (TB, kh, g, block_kv, e))
+            sc = lax.dot_general(
+                qq[..., None, :], k, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))),
+                precision=precision, preferred_element_type=jnp.float32,
+            )[..., 0, :] * scale  # fmt: skip  [TB, K, G, bk]: one [1, E] x [E, bk] dot per head
+            mask = (j * block_kv + col)[None, :] < ll[:, None]  # [TB, bk]
+            sc = jnp.where(mask[:, None, None, :], sc, -jnp.inf)
+            return _merge_block(state, sc, v, precision)
+
+        init = (
+            jnp.full((TB, kh, g), -jnp.inf, jnp.float32),
+            jnp.zeros((TB, kh, g), jnp.float32),
+            jnp.zeros((TB, kh, g, e), jnp.float32),
+        )
+        # Only the blocks some token of this group needs; for the others they would be exact
+        # identities anyway, so the trip count (a function of the batch) never shows in the bits.
+        n_blk = jnp.minimum((jnp.max(ll) + block_kv - 1) // block_kv, nblk)
+        _, lsum, acc = lax.fori_loop(0, n_blk, body, init)
+        safe = jnp.where(lsum > 0, lsum, 1.0)
+        return jnp.where((lsum > 0)[..., None], acc / safe[..., None], 0.0)
+
+    out = lax.map(one, (qg, seq_b, lim_b))  # [T/TB, TB, K, G, E]
+    out = out.reshape(tp, h, e)[:t]
+    return jnp.where(ok[:, None, None], out, 0.0).astype(q.dtype)

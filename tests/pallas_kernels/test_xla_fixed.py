@@ -1,0 +1,225 @@
+"""The CPU fast path (`pallas_kernels.xla_fixed`, backend "xla"): accuracy against float64 / the
+f32 references, and bitwise row invariance (np.array_equal) to the batch size M in
+{1, 2, 3, 7, 16, 64, 512}, to column shards, to chunking, decode vs prefill and batch composition.
+
+Negative controls: the same comparisons applied to a *variant* whose reduction order provably
+depends on the batch (a K split, a sum chunking or a KV block size chosen from M / T) must report
+a difference, so each comparison is shown to be able to fail on a CPU (where XLA's own ops can
+happen to be invariant at these sizes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _platform
+from pallas_kernels.matmul import matmul
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.tree_matmul import combine_tree, tree_matmul, tree_matmul_partial
+from pallas_kernels.vocab import log_softmax, log_softmax_reference, logsumexp
+from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_batch, make_world
+from tests.pallas_kernels.variants import chunked_sum_by_rows, split_k_by_m
+
+M_SIZES = (1, 2, 3, 7, 16, 64, 512)
+XLA = {"backend": "xla"}
+
+
+def _rand(key: int, shape: tuple[int, ...], dtype, scale: float = 1.0) -> jax.Array:
+    return (scale * jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32)).astype(dtype)
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def _rows_changed(f, x: jax.Array, sizes=M_SIZES) -> list[int]:
+    """The M values at which f(x[:M]) differs bitwise from the rows of f(x[:max])."""
+    full = np.asarray(f(x[: max(sizes)]))
+    return [m for m in sizes if not np.array_equal(np.asarray(f(x[:m])), full[:m])]
+
+
+# -- matmul and tree matmul --------------------------------------------------------------------
+
+MM = {"bio": functools.partial(matmul, backend="xla"),
+      "tree": functools.partial(tree_matmul, backend="xla")}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(MM))
+@pytest.mark.parametrize(
+    "dtype,k,n,tol", [(jnp.bfloat16, 192, 200, 1e-6), (jnp.float32, 100, 33, 1e-6)]
+)
+def test_xla_matmul_matches_float64(kind, dtype, k, n, tol):
+    a, b = _rand(0, (70, k), dtype), _rand(1, (k, n), dtype)
+    out = MM[kind](a, b, jnp.float32)
+    assert out.shape == (70, n) and out.dtype == jnp.float32
+    assert _rel_err(out, np.asarray(a, np.float64) @ np.asarray(b, np.float64)) < tol
+    assert MM[kind](a, b).dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("kind", list(MM))
+@pytest.mark.parametrize("dtype,k,n", [(jnp.bfloat16, 256, 768), (jnp.float32, 768, 256)])
+def test_xla_matmul_row_bits_do_not_depend_on_batch_size(kind, dtype, k, n):
+    a, b = _rand(2, (512, k), dtype), _rand(3, (k, n), dtype, 0.1)
+    assert _rows_changed(lambda x: MM[kind](x, b, jnp.float32), a) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_matmul_column_shard_bits_equal_the_whole_weight(dtype):
+    """A TP column shard (N/2, N/8: narrower than a 128-column block) gives its columns' bits."""
+    a, b = _rand(4, (7, 256), dtype), _rand(5, (256, 768), dtype, 0.1)
+    full = np.asarray(matmul(a, b, jnp.float32, **XLA))
+    for tp in (2, 8):
+        w = 768 // tp
+        part = np.asarray(matmul(a, b[:, w : 2 * w], jnp.float32, **XLA))
+        assert np.array_equal(part, full[:, w : 2 * w]), f"column shard of TP={tp}"
+
+
+@pytest.mark.parametrize("dtype,k", [(jnp.bfloat16, 1024), (jnp.float32, 768)])
+def test_xla_pairwise_combination_of_shard_subtrees_equals_tree_matmul(dtype, k):
+    a, b = _rand(6, (37, k), dtype), _rand(7, (k, 96), dtype, 0.1)
+    full = np.asarray(tree_matmul(a, b, jnp.float32, **XLA))
+    for c in (2, 4, 8):
+        w = k // c
+        parts = [
+            tree_matmul_partial(a[:, i * w : (i + 1) * w], b[i * w : (i + 1) * w], k_total=k,
+                                shard=i, num_shards=c, **XLA)  # fmt: skip
+            for i in range(c)
+        ]
+        assert np.array_equal(np.asarray(combine_tree(parts)), full), f"C={c}"
+
+
+def test_negative_control_a_split_k_chosen_from_m_changes_row_bits():
+    a, b = _rand(2, (512, 256), jnp.float32), _rand(3, (256, 768), jnp.float32, 0.1)
+    assert _rows_changed(lambda x: split_k_by_m(x, b), a) == [1, 2, 3, 7]
+
+
+# -- RMSNorm and the vocabulary reductions -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 256), (jnp.float32, 1000)])
+def test_xla_rms_norm_matches_reference_and_rows_are_invariant(dtype, d):
+    x, w = _rand(8, (512, d), dtype), _rand(9, (d,), dtype)
+    out = rms_norm(x, w, 1e-6, **XLA)
+    assert out.dtype == jnp.dtype(dtype)
+    ref = rms_norm_reference(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert _rel_err(out, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
+    assert _rows_changed(lambda v: rms_norm(v, w, 1e-6, **XLA).astype(jnp.float32), x) == []
+
+
+@pytest.mark.parametrize("v", [8192, 5000])
+def test_xla_log_softmax_and_logsumexp_match_reference_and_rows_are_invariant(v):
+    x = _rand(10, (512, v), jnp.float32, 4.0)
+    assert _rel_err(log_softmax(x, **XLA), log_softmax_reference(x)) < 1e-6
+    lse64 = np.log(np.exp(np.asarray(x, np.float64)).sum(-1))
+    assert np.abs(np.asarray(logsumexp(x, **XLA)) - lse64).max() < 1e-5
+    assert _rows_changed(lambda r: log_softmax(r, **XLA), x) == []
+    assert _rows_changed(lambda r: logsumexp(r, **XLA), x) == []
+
+
+def test_negative_control_a_row_sum_chunked_by_row_count_changes_row_bits():
+    x = _rand(11, (512, 8192), jnp.float32, 4.0)
+    changed = _rows_changed(chunked_sum_by_rows, x)
+    assert changed and set(changed) <= {1, 2, 3, 7}, changed
+
+
+# -- paged attention -----------------------------------------------------------------------------
+
+
+def attend(w, args, **kw) -> np.ndarray:
+    kw = {"scale": w.e**-0.5, "partition_size": w.part, "block_kv": w.block_kv, **XLA, **kw}
+    return np.asarray(paged_attention(*args, **kw).astype(jnp.float32))
+
+
+def run_chunked(w, seq: int, length: int, chunk: int, block_of=None) -> np.ndarray:
+    """Rows 0..length-1 of `seq` prefilled `chunk` tokens per call; `block_of(n)` picks the KV
+    block from the chunk length (the negative control's variant)."""
+    outs = []
+    for start in range(0, length, chunk):
+        n = min(chunk, length - start)
+        args, rows = build_batch(w, [(seq, start, n)], junk_seed=start + 1)
+        kw = {} if block_of is None else {"block_kv": block_of(n)}
+        outs.append(attend(w, args, **kw)[rows[0]])
+    return np.concatenate(outs)
+
+
+CONFIGS = {
+    "gqa4_e64_f32": dict(kh=2, h=8, e=64, dtype=jnp.float32),
+    "mqa_e128_bf16": dict(kh=1, h=4, e=128, dtype=jnp.bfloat16),
+    "g3_e64_f32": dict(kh=2, h=6, e=64, dtype=jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_xla_attention_matches_f32_reference_on_a_mixed_batch(name):
+    cfg = CONFIGS[name]
+    w = make_world(1, [75, 13, 40, 1], **cfg)
+    args, rows = build_batch(w, [(0, 0, 75), (1, 12, 1), (2, 33, 7), (3, 0, 1)], t_pad=90, s_pad=6)
+    out = attend(w, args)
+    ref = np.asarray(paged_attention_reference(*args, scale=w.e**-0.5).astype(jnp.float32))
+    tol = 1e-5 if cfg["dtype"] == jnp.float32 else 2e-2
+    for r in rows:
+        assert _rel_err(out[r], ref[r]) < tol, (name, r)
+    assert np.all(out[84:] == 0.0) and np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_attention_rows_do_not_depend_on_chunking_decode_or_batch(dtype):
+    w = make_world(2, [75, 30, 9], kh=2, h=8, e=64, dtype=dtype)
+    whole = run_chunked(w, 0, 75, 75)
+    for chunk in (1, 7, 16, 64):
+        assert_bits_equal(run_chunked(w, 0, 75, chunk), whole, f"chunk={chunk}")
+    for p in (60, 74):  # decode beside another sequence, page table wider than needed
+        args, r = build_batch(w, [(1, 29, 1), (0, p, 1)], pmax=16, s_pad=3, junk_seed=p)
+        assert_bits_equal(attend(w, args)[r[1]], whole[p : p + 1], f"decode position {p}")
+    entries = [(1, 0, 30), (0, 0, 75), (2, 0, 9)]
+    args, rows = build_batch(w, entries, t_pad=130, s_pad=5, junk_seed=3)
+    assert_bits_equal(attend(w, args)[rows[1]], whole, "in a batch")
+
+
+def test_xla_attention_rows_do_not_depend_on_pages_or_padding_and_read_the_stacked_cache():
+    w = make_world(5, [75, 20])
+    entries = [(0, 20, 55), (1, 19, 1)]
+    args, rows = build_batch(w, entries)
+    ref = attend(w, args)
+    perm = np.random.default_rng(0).permutation(w.num_pages)
+    for kw in (dict(page_perm=perm), dict(t_pad=93, s_pad=5), dict(t_pad=64, pmax=16)):
+        out = attend(w, build_batch(w, entries, junk_seed=7, **kw)[0])
+        for r in rows:
+            assert_bits_equal(out[r], ref[r], str(kw))
+    q, k, v, *rest = args
+    k_all, v_all = jnp.stack([k * 2, k]), jnp.stack([v, v * 3])
+    for layer in range(2):
+        got = attend(w, (q, k_all, v_all, *rest), layer=jnp.int32(layer))
+        assert_bits_equal(got, attend(w, (q, k_all[layer], v_all[layer], *rest)), f"L{layer}")
+
+
+def test_negative_control_a_kv_block_chosen_from_the_chunk_changes_the_bits():
+    w = make_world(2, [75], kh=2, h=8, e=64)
+    whole = run_chunked(w, 0, 75, 75, block_of=lambda n: 16)
+    varied = run_chunked(w, 0, 75, 7, block_of=lambda n: 8 if n < 16 else 16)
+    assert np.abs(varied - whole).max() < 1e-5
+    assert (varied != whole).any()
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+
+
+def test_cpu_dispatch_defaults_to_xla_and_the_env_var_restores_interpret_mode(monkeypatch):
+    if _platform.platform() != "cpu":
+        pytest.skip("backend dispatch on a CPU")
+    monkeypatch.delenv(_platform.INTERPRET_ENV, raising=False)
+    assert _platform.resolve(None, "k") == "xla" and _platform.kernel_backend() == "xla-fixed-cpu"
+    a, b = _rand(12, (5, 64), jnp.float32), _rand(13, (64, 40), jnp.float32)
+    assert np.array_equal(np.asarray(matmul(a, b)), np.asarray(matmul(a, b, backend="xla")))
+    monkeypatch.setenv(_platform.INTERPRET_ENV, "1")
+    assert _platform.resolve("auto", "k") == "pallas"
+    assert _platform.kernel_backend() == "pallas-interpret"
+    with pytest.raises(ValueError, match="backend must be"):
+        rms_norm(a, a[0], backend="triton")
