@@ -88,12 +88,16 @@ def step_flops(model: Any, batch: int, ctx: int) -> float:
 
 def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0) -> tuple[Any, Any]:
     """StepBatch + SamplingInputs of `batch` sequences each decoding its token at position ctx-1,
-    sequence b on pages b*pmax.. (a permutation would not change the time: pages are 4 KB+)."""
+    sequence b on pages b*used.. where `used` holds its ctx tokens (a permutation would not change
+    the time: pages are 4 KB+); table entries past the context are never read: they repeat the
+    last page."""
     from jdet.batch import StepBatch
     from jdet.step import SamplingInputs
 
     b = np.arange(batch, dtype=np.int32)
-    pt = (b[:, None] * pmax + np.arange(pmax, dtype=np.int32)[None, :]).astype(np.int32)
+    used = pages_used(ctx)
+    cols = np.minimum(np.arange(pmax, dtype=np.int32), used - 1)
+    pt = (b[:, None] * used + cols[None, :]).astype(np.int32)
     pos = np.full(batch, ctx - 1, np.int32)
     slot = pt[:, (ctx - 1) // PAGE] * PAGE + (ctx - 1) % PAGE
     tok = np.random.default_rng(seed).integers(1, cfg.vocab_size, batch).astype(np.int32)
@@ -103,6 +107,11 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0) -> t
     si = SamplingInputs(temperature=z, top_k=np.zeros(batch, np.int32), top_p=z + 1,
                         seed=np.zeros(batch, np.uint32), position=pos + 1)  # fmt: skip
     return sb, si
+
+
+def pages_used(ctx: int) -> int:
+    """Pages one sequence of `ctx` tokens occupies."""
+    return -(-ctx // PAGE)
 
 
 def pages_for(ctx: int, steps: int) -> int:
@@ -195,8 +204,8 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
     max_len = max(a.ctx) + a.steps + 32
     # pool: the largest batch at the shortest context, or one sequence at the longest (batches > 1
     # run at the shortest context only); 65k pages of an 8B model would not fit the GPU
-    num_pages = max(max(a.batches) * pages_for(min(a.ctx), a.steps),
-                    pages_for(max(a.ctx), a.steps)) + 8  # fmt: skip
+    num_pages = max(max(a.batches) * pages_used(min(a.ctx)),
+                    pages_for(max(a.ctx), a.steps) + a.steps // PAGE + 2) + 8  # fmt: skip
     for mode in a.modes:
         eng = make_engine(model, mode, max_len, num_pages)
         runner = eng.runner
