@@ -134,17 +134,27 @@ def test_constrained_bits_alone_and_batched():
     llm = jdet.LLM(jdet.load(dtype="float32"), max_num_batched_tokens=64, max_num_seqs=8,
                    max_model_len=128, page_size=16, min_tokens_bucket=64,
                    min_seqs_bucket=8)  # fmt: skip
-    sp = jdet.SamplingParams(temperature=0.9, seed=7, max_tokens=40, logprobs=2,
-                             json_schema=SCHEMAS[0])  # fmt: skip
-    alone = llm.generate("Person:", sp)[0]
-    others = [jdet.SamplingParams(temperature=0.7, seed=i, max_tokens=12) for i in range(5)]
-    others.insert(2, sp)
-    prompts = ["a", "bb", "Person:", "the cat", "x y z", "JSON"]
-    batched = llm.generate(prompts, others)[2]
-    assert alone.token_ids == batched.token_ids
-    assert np.array_equal(alone.logprobs, batched.logprobs)
-    assert alone.outputs[0].top_logprobs == batched.outputs[0].top_logprobs
-    jsonschema.validate(json.loads(alone.text), SCHEMAS[0])
+    constrained = {
+        2: ("Person:", jdet.SamplingParams(temperature=0.9, seed=7, max_tokens=40, logprobs=2,
+                                           json_schema=SCHEMAS[0])),
+        4: ("Code:", jdet.SamplingParams(temperature=1.0, seed=8, max_tokens=20, logprobs=2,
+                                         regex=r"[a-z]{2,6}-[0-9]{2}")),
+        5: ("Pick:", jdet.SamplingParams(temperature=1.0, seed=9, max_tokens=20, logprobs=2,
+                                         choice=["north", "south", "east"])),
+    }  # fmt: skip
+    sps = [jdet.SamplingParams(temperature=0.7, seed=i, max_tokens=12) for i in range(7)]
+    prompts = ["a", "bb", "", "the cat", "", "", "JSON"]
+    for i, (p, sp) in constrained.items():
+        prompts[i], sps[i] = p, sp
+    batched = llm.generate(prompts, sps)
+    for i, (p, sp) in constrained.items():
+        alone = llm.generate(p, sp)[0]
+        assert alone.token_ids == batched[i].token_ids, i
+        assert np.array_equal(alone.logprobs, batched[i].logprobs), i
+        assert alone.outputs[0].top_logprobs == batched[i].outputs[0].top_logprobs, i
+    jsonschema.validate(json.loads(batched[2].text), SCHEMAS[0])
+    assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", batched[4].text)
+    assert batched[5].text in ("north", "south", "east")
 
 
 def test_server_fields(serving_model):
