@@ -108,3 +108,57 @@ def hf_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(hf_checkpoints):
     return hf_checkpoints["qwen3"]
+
+
+def _batch_dependent_attention(self, q, kv, layer, batch, scale):
+    """Attention whose rounding follows the batch: where the step's real token count n has
+    n % 5 odd, q is multiplied by 3 * scale before the q.k dot and the scores by 1/3 after it
+    (other roundings for nearly every score: neither factor is a power of two, as scale can be,
+    so every row with more than one kv position changes). The negative-control variant."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from pallas_kernels import paged_attention
+
+    def run(prescale: bool):
+        def f(_):
+            return paged_attention(
+                q * jnp.asarray(3.0 * scale, q.dtype) if prescale else q, kv["k"], kv["v"],
+                batch.page_table, batch.context_lens, batch.query_start, batch.positions,
+                scale=1.0 / 3.0 if prescale else scale, layer=layer, backend="xla",
+            )  # fmt: skip
+
+        return f
+
+    pick = (batch.query_start[-1] % 5) % 2
+    return lax.switch(pick.astype(jnp.int32), [run(False), run(True)], None)
+
+
+@pytest.fixture
+def batch_dependent_none(monkeypatch):
+    """Make `invariance="none"` batch dependent for certain on a CPU, for negative controls.
+
+    Why: at the test models' sizes XLA's own CPU ops can happen to give the same bits whatever
+    the batch, so a control in plain "none" proves nothing there. With this fixture, "none"
+    attention orders its scaling by the step's real token count, so probe bits change with
+    batch composition, budget, chunking and prefix hits, and each invariance comparison is
+    shown to detect it. The step caches are bypassed so the variant is traced afresh (and does
+    not leak into other tests). On a GPU it does nothing: XLA there differs by itself.
+    """
+    if jax.default_backend() != "cpu":
+        return
+    import jdet.ops
+    import jdet.step
+    import serving.model_runner
+
+    original = jdet.ops.Ops.attention
+
+    def attention(self, q, kv, layer, batch, scale):
+        if self.invariance != "none":
+            return original(self, q, kv, layer, batch, scale)
+        return _batch_dependent_attention(self, q, kv, layer, batch, scale)
+
+    monkeypatch.setattr(jdet.ops.Ops, "attention", attention)
+    monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
+    monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
+    monkeypatch.setattr(serving.model_runner, "_STEP_FNS", {})

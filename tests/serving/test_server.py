@@ -146,9 +146,9 @@ def test_chat_and_streaming_with_usage_agree(client):
     full = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, n=2)
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content != full.choices[1].message.content
-    assert len(full.choices[0].logprobs.content) == len(
-        [x for x in full.choices[0].logprobs.content]
-    )
+    # one logprobs entry (with its 2 alternatives) per generated token, for every choice
+    assert sum(len(c.logprobs.content) for c in full.choices) == full.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for c in full.choices for t in c.logprobs.content)
     stream = client.chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True}
     )
@@ -171,7 +171,7 @@ def test_chat_and_streaming_with_usage_agree(client):
     assert {c.index for ch in chunks for c in ch.choices} == {0, 1, 2, 3}
 
 
-def test_same_request_under_16_concurrent_others_gives_the_same_text(client):
+def test_same_request_under_16_concurrent_others_gives_the_same_text(server, client):
     probe = dict(
         model="tiny",
         prompt="The quick brown fox",
@@ -192,6 +192,8 @@ def test_same_request_under_16_concurrent_others_gives_the_same_text(client):
             temperature=1.0,
         )
 
+    steps0 = metric(server, "jdet_step_tokens_count")
+    tokens0 = metric(server, "jdet_generation_tokens_total")
     with cf.ThreadPoolExecutor(17) as ex:
         futs = [ex.submit(other, i) for i in range(8)]
         fut = ex.submit(client.completions.create, **probe)
@@ -199,6 +201,11 @@ def test_same_request_under_16_concurrent_others_gives_the_same_text(client):
         busy = fut.result().choices[0]
         for f in futs:
             f.result()
+    # The requests shared steps (one at a time would take a step per generated token at least),
+    # so the probe's bits were computed in batches with others.
+    steps = metric(server, "jdet_step_tokens_count") - steps0
+    tokens = metric(server, "jdet_generation_tokens_total") - tokens0
+    assert 0 < steps < tokens / 2, f"{steps} steps for {tokens} tokens: requests did not share"
     assert busy.text == alone.text
     assert busy.logprobs.token_logprobs == alone.logprobs.token_logprobs
 
