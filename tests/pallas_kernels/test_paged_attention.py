@@ -243,7 +243,8 @@ def test_stacked_cache_with_layer_index_equals_the_sliced_layer():
 def chunk_dependent_attention(*args, scale, partition_size):
     """Negative-control variant: attention whose KV block is chosen from the chunk's token count
     (an order that provably follows the chunking; the CPU path, to stay fast)."""
-    block_kv = 8 if args[0].shape[0] < 16 else 16
+    page = args[1].shape[-2]  # k cache [K, P, B, E]: the KV block must be a multiple of B
+    block_kv = page if args[0].shape[0] < 16 else 2 * page
     return paged_attention(*args, scale=scale, partition_size=partition_size, block_kv=block_kv,
                            backend="xla")  # fmt: skip
 
