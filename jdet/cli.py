@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(a: argparse.Namespace) -> int:
     import jdet
 
-    llm = jdet.LLM(jdet.load(a.model, dtype=a.dtype), **_engine_kwargs(a))
+    # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
+    # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
+    llm = jdet.LLM(jdet.load(a.model, dtype=a.dtype), warmup=False, **_engine_kwargs(a))
     sp = jdet.SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,

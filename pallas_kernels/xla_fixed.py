@@ -233,6 +233,15 @@ def paged_attention(
     precision = lax.Precision.HIGHEST if jnp.dtype(q.dtype).itemsize > 2 else None
     col = jnp.arange(block_kv, dtype=jnp.int32)
 
+    def _gather_pages(cache: jax.Array, blk: jax.Array) -> jax.Array:
+        """cache[:, blk], gathered as uint16 for a 16-bit float cache: XLA CPU has no bf16
+        gather and otherwise upcasts the whole layer (every page of the pool) to f32 in every
+        layer of every step. A bitcast moves the same bits, so the result is unchanged."""
+        if cache.dtype not in (jnp.bfloat16, jnp.float16):
+            return cache[:, blk]
+        bits = lax.bitcast_convert_type(cache, jnp.uint16)
+        return lax.bitcast_convert_type(bits[:, blk], cache.dtype)
+
     def one(args):
         qq, ss, ll = args  # [TB, K, G, E], [TB], [TB]
         qq = qq.astype(k_cache.dtype)
@@ -242,8 +251,9 @@ def paged_attention(
             blk = lax.dynamic_slice_in_dim(pages, j * ppb, ppb, axis=1)  # [TB, ppb]
             # Per query head, so that a dot's shape never depends on G (heads per kv head on
             # this device): TP shards with replicated kv heads have other G than TP=1.
-            k = k_cache[:, blk].reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
-            v = v_cache[:, blk].reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
+            k, v = _gather_pages(k_cache, blk), _gather_pages(v_cache, blk)
+            k = k.reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
+            v = v.reshape(kh, TB, 1, block_kv, e).transpose(1, 0, 2, 3, 4)
             k = jnp.broadcast_to(k, (TB, kh, g, block_kv, e))
             v = jnp.broadcast_to(v, (TB, kh, g, block_kv, e))
             sc = lax.dot_general(
