@@ -102,16 +102,9 @@ class Ops:
         self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float
     ) -> jax.Array:
         """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V."""
-        from pallas_kernels import _platform
-
-        if self.invariant or _platform.platform() == "gpu":
-            # "none" on a GPU runs the same kernel with a KV split chosen from the step's shapes
+        if self.invariant:
             from pallas_kernels import paged_attention
 
-            if self.invariant:
-                partition = self.attn_partition
-            else:
-                partition = none_partition(q.shape[0], batch.page_table.shape, kv["k"].shape)
             return paged_attention(
                 q,
                 kv["k"],
@@ -121,7 +114,24 @@ class Ops:
                 batch.query_start,
                 batch.positions,
                 scale=scale,
-                partition_size=partition,
+                partition_size=self.attn_partition,
+                layer=layer,
+            )
+        from pallas_kernels import _platform
+
+        if _platform.platform() == "gpu":
+            from pallas_kernels import paged_attention
+
+            return paged_attention(
+                q,
+                kv["k"],
+                kv["v"],
+                batch.page_table,
+                batch.context_lens,
+                batch.query_start,
+                batch.positions,
+                scale=scale,
+                partition_size=none_partition(q.shape[0], batch.page_table.shape, kv["k"].shape),
                 layer=layer,
             )
         from pallas_kernels.paged_attention import paged_attention_xla
