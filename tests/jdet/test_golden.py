@@ -1,0 +1,111 @@
+"""Golden outputs: the embedded model's tokens and log-probs for a fixed set of requests, pinned
+as hashes of their float32 bit patterns, so a refactor (or any later change) cannot drift the
+bits silently. Generate (greedy, seeded top-p, prompt_logprobs) and score, in "tp" and "batch",
+at TP 1 (CI) and TP 2 (slow; 2 of the 8 virtual CPU devices).
+
+The values were recorded on a CPU (the fixed-order XLA kernel path) with JAX 0.10.2 at commit
+38ffb3b, before the issue-14 refactor. They are CPU values: a GPU runs other kernels (other bits),
+so the module skips there. If a change is meant to change the bits, say so in its commit message
+and record the new values with `python tests/jdet/test_golden.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jdet
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="golden values are those of the CPU kernel path"
+)
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a little",
+    [5, 17, 33, 2, 9, 100, 7, 8, 300],
+]
+TOKENS = [
+    [16, 201, 201, 491, 1101, 496],
+    [15, 4146, 452, 14, 826, 201],
+    [15, 3522, 15, 3522, 15, 26],
+]
+# (invariance, tp) -> (hash of the generated and prompt log-probs, hash of the score log-probs)
+GOLDEN = {
+    ("tp", 1): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
+    ("tp", 2): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
+    ("batch", 1): ("8e809305953716ec", "f981005fbc504efb"),
+    ("batch", 2): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
+}
+# The embedded model's system_fingerprint (TP 1, page size 16); it also hashes the jdet, JAX and
+# jaxlib versions and the device, so it is checked only where it was recorded.
+FINGERPRINT_ENV = ("0.10.2", "cpu")
+FINGERPRINTS = {"tp": "fp_jdet_1a7b23ef87996161", "batch": "fp_jdet_4d55a9896e83c6f0"}
+
+
+def _sampling_params() -> list[jdet.SamplingParams]:
+    return [
+        jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        jdet.SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True),
+        jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0),
+    ]
+
+
+def _hash(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.asarray(a, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def run(model: jdet.Model, invariance: str, tp: int) -> dict:
+    """The fixed requests on one engine: tokens, log-prob hashes and the fingerprint."""
+    llm = jdet.LLM(
+        model, tp=tp, invariance=invariance, max_num_batched_tokens=16, num_pages=48,
+        max_model_len=128, compile_cache=False,
+    )  # fmt: skip
+    outs = llm.generate(PROMPTS, _sampling_params(), use_tqdm=False)
+    gen = _hash([o.logprobs for o in outs] + [outs[2].prompt_logprobs[1:]])
+    seqs = [llm.encode(p) + o.token_ids for p, o in zip(PROMPTS, outs, strict=True)]
+    score = _hash(llm.score(seqs))
+    return dict(tokens=[o.token_ids for o in outs], gen=gen, score=score, fp=llm.fingerprint())
+
+
+@pytest.fixture(scope="module")
+def model() -> jdet.Model:
+    return jdet.load()
+
+
+@pytest.mark.parametrize(
+    "invariance, tp",
+    [
+        ("tp", 1),
+        ("batch", 1),
+        pytest.param("tp", 2, marks=pytest.mark.slow),
+        pytest.param("batch", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_embedded_model_outputs_match_the_recorded_bits(model, invariance, tp):
+    got = run(model, invariance, tp)
+    assert got["tokens"] == TOKENS
+    assert (got["gen"], got["score"]) == GOLDEN[(invariance, tp)]
+    if tp == 1 and (jax.__version__, jax.devices()[0].platform) == FINGERPRINT_ENV:
+        assert got["fp"] == FINGERPRINTS[invariance]
+
+
+def test_a_changed_log_prob_changes_the_hash():
+    """Negative control: one ulp in one log-prob gives another hash."""
+    a = np.linspace(-3, -1, 7, dtype=np.float32)
+    b = a.copy()
+    b[3] = np.nextafter(b[3], np.float32(0))
+    assert _hash([a]) != _hash([b])
+
+
+if __name__ == "__main__":  # print the values to record
+    m = jdet.load()
+    for mode, tp in GOLDEN:
+        print(mode, tp, run(m, mode, tp), file=sys.stdout, flush=True)
