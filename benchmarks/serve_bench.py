@@ -270,7 +270,9 @@ def poisson(model: Any, a: argparse.Namespace) -> list[dict]:
 
 # ---------------------------------------------------------------------- entry points
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jdet bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve_bench", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--out", default="out")
     p.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16")

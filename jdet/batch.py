@@ -28,14 +28,6 @@ class StepBatch:
         return int(self.token_ids.shape[0])
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
-
-
 def build_batch(
     seqs: list[tuple[list[int], int, list[int]]],
     page_size: int,

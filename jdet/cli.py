@@ -1,4 +1,5 @@
-"""`jdet generate | serve | bench` (also `python -m jdet ...`)."""
+"""`jdet generate | serve` (also `python -m jdet ...`). Benchmarks live outside the library:
+`python -m benchmarks.serve_bench` from a checkout."""
 
 from __future__ import annotations
 
@@ -71,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "replacing the tokenizer's, for /v1/chat/completions",
     )
     _engine_args(s)
-    b = sub.add_parser(
-        "bench", help="serving benchmarks (writes JSON); other flags go to benchmarks.serve_bench"
-    )
-    b.add_argument("--out", default="out")
-    a, rest = ap.parse_known_args(argv)
-    if rest and a.cmd != "bench":
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    a = ap.parse_args(argv)
 
     try:
         if a.cmd == "generate":
@@ -97,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                 **_engine_kwargs(a),
             )
             return 0
-        if a.cmd == "bench":
-            from benchmarks.serve_bench import main as bench_main
-
-            return int(bench_main(["--out", a.out, *rest]) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         print(f"jdet: error: {e}", file=sys.stderr)
         return 2

@@ -13,19 +13,16 @@ from pallas_kernels.tree_matmul import (
     tree_plan,
 )
 from pallas_kernels.vocab import (
-    cumsum_fixed_order,
     log_softmax,
     log_softmax_reference,
     logsumexp,
     logsumexp_reference,
-    top_p_mask,
 )
 
 __all__ = [
     "TREE_WIDTH",
     "combine_tree",
     "tree_plan",
-    "cumsum_fixed_order",
     "log_softmax",
     "log_softmax_reference",
     "logsumexp",
@@ -36,7 +33,6 @@ __all__ = [
     "paged_attention_reference",
     "rms_norm",
     "rms_norm_reference",
-    "top_p_mask",
     "tree_matmul",
     "tree_matmul_partial",
     "tree_matmul_reference",

@@ -1,4 +1,4 @@
-"""Batch-invariant reductions over the vocabulary: logsumexp, log_softmax, and top-p's cumsum.
+"""Batch-invariant reductions over the vocabulary: logsumexp and log_softmax.
 
 Reduction plan (log_softmax / logsumexp): one row per program. Pass 1 takes the row max (max is
 exact in any order). Pass 2 walks V in fixed blocks of BLOCK_V lanes, accumulating exp(x - max)
@@ -7,11 +7,6 @@ Pass 3 (log_softmax) writes x - lse. BLOCK_V is a constant and nothing depends o
 rows N, so row i is bitwise the same for any N (XLA's own row reductions are not: on an H100
 `sum(x*x, -1)` of row 0 changes between B=2 and B=7). On a CPU `xla_fixed` runs instead (the sum
 as a halving tree over V), or these kernels in interpret mode with JDET_PALLAS_INTERPRET=1.
-
-Top-p (`cumsum_fixed_order`, `top_p_mask`): an inclusive Hillis-Steele scan built only from
-element-wise adds of shifted copies (log2(V) steps). Element-wise ops compute every element the
-same way whatever the array's shape, so the cumulative sums are batch invariant by construction
-on every backend, with no kernel needed.
 """
 
 from __future__ import annotations
@@ -147,35 +142,3 @@ def logsumexp_reference(x: jax.Array) -> jax.Array:
 def log_softmax_reference(x: jax.Array) -> jax.Array:
     """XLA's log_softmax in f32 (not batch invariant on GPUs)."""
     return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("exclusive",))
-def cumsum_fixed_order(x: jax.Array, exclusive: bool = False) -> jax.Array:
-    """Cumulative sum along the last axis by a Hillis-Steele scan of element-wise adds.
-
-    Batch invariant on every backend (no reduction primitive is involved). exclusive=True gives
-    the sum of the elements strictly before each position (0 at position 0), without a subtraction.
-    """
-    x = x.astype(jnp.float32)
-    v = x.shape[-1]
-    pad = [(0, 0)] * (x.ndim - 1)
-    if exclusive:
-        x = jnp.pad(x[..., :-1], pad + [(1, 0)])
-    shift = 1
-    while shift < v:
-        x = x + jnp.pad(x[..., :-shift], pad + [(shift, 0)])
-        shift *= 2
-    return x
-
-
-@jax.jit
-def top_p_mask(sorted_probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Nucleus mask over probabilities sorted in descending order along the last axis.
-
-    Keeps a token when the probability mass strictly before it is < top_p (so the first token is
-    always kept and top_p=1.0 keeps every token whose predecessors do not already sum to 1).
-    `top_p` broadcasts against sorted_probs[..., :1] (e.g. shape [N, 1] or scalar).
-    """
-    before = cumsum_fixed_order(sorted_probs, exclusive=True)
-    keep = before < jnp.asarray(top_p, jnp.float32)
-    return keep.at[..., 0].set(True)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.block_manager import BlockManager, cdiv
+from serving.block_manager import BlockManager
 from serving.metrics import EngineMetrics
 from serving.model_runner import ModelRunner, default_num_pages
 from serving.scheduler import Scheduler
@@ -587,6 +587,3 @@ class Engine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[r] for r in order if r in final]
-
-    def pages_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.page_size)

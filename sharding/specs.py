@@ -49,20 +49,6 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def padded_ffn(cfg: ModelConfig, dtype: Any, ffn_multiple: int | None = None) -> int:
-    """F after padding: a multiple of block_k * MAX_TP, identical for every TP size.
-
-    Then down_proj's K has a tile count divisible by MAX_TP, so the tree kernel's plan has
-    MAX_TP leaves and each of tp <= MAX_TP contiguous shards is a whole subtree.
-    """
-    m = ffn_multiple or tree_block_k(cfg.intermediate_size, dtype) * MAX_TP
-    return _round_up(cfg.intermediate_size, m)
-
-
-def padded_vocab(cfg: ModelConfig, vocab_multiple: int = VOCAB_MULTIPLE) -> int:
-    return _round_up(cfg.vocab_size, vocab_multiple)
-
-
 def check_heads(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError unless `tp` can split the query heads and serve every kv head."""
     check_tp_size(tp)

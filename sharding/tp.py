@@ -175,19 +175,6 @@ def _wrap(
     return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(kv_partition_specs(kv), P()))
 
 
-def make_tp_forward(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
-    """forward(params, kv, batch) -> (kv, f32 logits [N, V]) on `mesh`; jitted, kv donated."""
-    check_heads(cfg, tp_size(mesh))
-    ops = make_tp_ops(ops_mode, tp_size(mesh))
-    body = _sharded_logits(cfg, ops)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def fwd(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
-        return _wrap(cfg, mesh, params, kv, body, 0)(params, kv, batch)
-
-    return fwd
-
-
 @functools.cache  # one compile cache per (config, mode, mesh): engines share it
 def make_tp_step(
     cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh, **ops_kw: Any
