@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.combine import combine_tree
+
 BLOCK_M = 128
 BLOCK_K = 64
 
@@ -348,8 +350,6 @@ def matmul(a: jax.Array, b: jax.Array, out_dtype, cta_n: int | None = None) -> j
     jax.jit, static_argnames=("out_dtype", "num_leaves", "subtree", "tile_n", "wide", "small")
 )
 def _tree(a, b, out_dtype, num_leaves: int, subtree: int, tile_n: int, wide: bool, small: bool):
-    from pallas_kernels.tree_matmul import combine_tree
-
     m = a.shape[0]
     if min(subtree, num_leaves) == num_leaves:  # the whole tree in registers: cast in epilogue
         cfg = tree_config(num_leaves, tile_n, out_dtype, wide, small)

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.combine import combine_tree  # noqa: F401 (re-exported: the leaves' order)
+
 # By module path: the package re-exports the *function* `matmul` under the same name.
 _mm = importlib.import_module("pallas_kernels.matmul")
 
@@ -66,19 +68,6 @@ def tree_plan(k_total: int, dtype: jnp.dtype, block_k: int | None = None) -> Tre
     num_tiles = max(1, pl.cdiv(k_total, block_k))
     num_leaves = min(num_tiles & -num_tiles, TREE_WIDTH)
     return TreePlan(block_k, num_tiles, num_tiles // num_leaves, num_leaves)
-
-
-def combine_tree(leaves: list) -> object:
-    """Sum a power-of-two list pairwise: (0+1), (2+3), ... then up, lower index on the left.
-
-    The same combination turns tree_matmul_partial's shard results into tree_matmul's result.
-    """
-    if len(leaves) & (len(leaves) - 1) or not leaves:
-        raise ValueError(f"combine_tree needs a power-of-two count of parts, got {len(leaves)}")
-    level = list(leaves)
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
-    return level[0]
 
 
 def _tree_kernel(a_ref, b_ref, o_ref, *, cfg, k_first: int, num_leaves: int, precision):

@@ -747,10 +747,10 @@ def serve(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     import uvicorn
 
-    import jdet
+    from jdet.loader import load  # the loader module, not the jdet package (whose serve() is here)
 
     if model is None or isinstance(model, str | Path):
-        model = jdet.load(model, dtype=dtype)
+        model = load(model, dtype=dtype)
     engine = Engine(model, **engine_kwargs)
     name = served_model_name or (Path(model.path).name if getattr(model, "path", None) else "jdet")
     app = build_app(
