@@ -36,10 +36,11 @@ from benchmarks.timing import median_seconds
 from jdet.batch import build_batch
 from jdet.config import ModelConfig
 from jdet.params import abstract_params
+from jdet.plan import prepare_params
 from jdet.sampling import SamplingInputs
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map
 from sharding.specs import named, param_partition_specs
-from sharding.tp import init_tp_kv_cache, make_tp_step, prepare_params
+from sharding.tp import init_tp_kv_cache, make_tp_step
 from sharding.tree_allreduce import (
     GATHER_MAX_BYTES_TP2,
     GATHER_MAX_TOTAL_BYTES,

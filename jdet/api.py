@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jdet.loader import Model, load
-from jdet.ops import Ops, check_mode
+from jdet.ops import check_mode
+from jdet.plan import Plan
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 
@@ -56,8 +57,7 @@ class LLM:
         self.model = model if isinstance(model, Model) else load(model, dtype=dtype)
         self.cfg = self.model.cfg
         self.invariance = check_mode(invariance)
-        if tp < 1 or tp & (tp - 1):
-            raise ValueError(f"tp must be a power of two >= 1, got {tp}")
+        self.plan = Plan(self.cfg, self.invariance, tp)  # the reduction plan, validated once
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} but only {len(jax.devices())} devices are visible")
         window = self.cfg.sliding_window
@@ -94,7 +94,6 @@ class LLM:
         self.tp = tp
         self.page_size = page_size
         self.max_model_len = self.engine.max_model_len
-        self.ops = Ops(self.invariance)
 
     # -- input handling -----------------------------------------------------------------------
     @property
@@ -235,13 +234,7 @@ class LLM:
     def fingerprint(self) -> str:
         from jdet.fingerprint import fingerprint
 
-        return fingerprint(
-            self.model,
-            self.invariance,
-            page_size=self.page_size,
-            tp=self.tp,
-            attn_partition=self.ops.attn_partition,
-        )
+        return fingerprint(self.model, self.plan, page_size=self.page_size)
 
 
 __all__ = ["LLM", "SamplingParams", "NUM_TOP"]

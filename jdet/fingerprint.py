@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jaxlib
 
+from jdet.plan import Plan
 from jdet.version import __version__
 
 
@@ -31,20 +32,15 @@ def kernel_backend() -> str:
     return "mosaic-gpu" if _platform.is_hopper() else f"pallas-{_platform.platform()}"
 
 
-def fingerprint(
-    model: Any, invariance: str, *, page_size: int, tp: int = 1, attn_partition: int = 512
-) -> str:
+def fingerprint(model: Any, plan: Plan, *, page_size: int) -> str:
+    """The fingerprint of `model` run by `plan` (jdet/plan.py) with `page_size`-token pages."""
     dev = jax.devices()[0]
     parts = {
         "weights": model.weights_hash,
         "config": model.cfg.to_dict(),
         "dtype": str(model.dtype),
-        "invariance": invariance,
-        "kernel_plan": {
-            "page_size": page_size,
-            "attn_partition": attn_partition,
-            "tp": tp if invariance != "tp" else "any",
-        },
+        "invariance": plan.invariance,
+        "kernel_plan": plan.kernel_plan(page_size),
         "jdet": __version__,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,

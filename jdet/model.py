@@ -58,7 +58,7 @@ def layer_forward(
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
     h = ops.rms_norm(x, lp["attn_norm"], eps)
-    if "wqkv" in lp:  # fused q|k|v (sharding/tp.py fuse_projections): same bits, one launch
+    if "wqkv" in lp:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
         qkv = ops.matmul(h, lp["wqkv"])
         nq = qkv.shape[-1] - 2 * nk

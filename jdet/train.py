@@ -5,12 +5,12 @@ log-probs equal the sampler's *bitwise*, "on-policy" training is off-policy by a
 measures (seeds 000 and 002 end on this). `LLM.score()` gives the sampler's bits but no gradient;
 `logprobs` gives both:
 
-- forward VALUES: the engine's own jitted score function with the engine's reduction plan — in
-  "tp" mode the sharded runtime (`sharding.tp.make_tp_score`) on the padded weights
-  (`sharding.tp.prepare_params`, which shapes the down_proj tree), at every TP size including 1;
-  in "batch" mode at tp = 1 the unsharded `jdet.step.make_score_fn`. Same kernels, same padding,
-  same plan as `serving/model_runner.py` picks, so the values equal `score()` and the sampler's
-  log-probs bitwise (tests/jdet/test_train.py holds it to that).
+- forward VALUES: the engine's own jitted score function with the engine's reduction plan
+  (jdet/plan.py `Plan`) — where `Plan.sharded` (every "tp" engine, and any tp > 1) the sharded
+  runtime (`sharding.tp.make_tp_score`) on the plan's padded weights (`Plan.prepare_params`, which
+  shapes the down_proj tree); in "batch" mode at tp = 1 the unsharded `jdet.step.make_score_fn`.
+  The same Plan the engine builds, so the values equal `score()` and the sampler's log-probs
+  bitwise (tests/jdet/test_train.py holds it to that).
 - GRADIENT: the VJP of the plain-XLA ("none") forward at the same inputs (`jax.custom_vjp`). It is
   the same mathematical function, so the gradient is right to float rounding, and the Pallas
   kernels need no backward of their own. Only the forward bits must match the sampler: they are
@@ -35,6 +35,7 @@ import numpy as np
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
+from jdet.plan import Plan
 
 MODES = ("tp", "batch", "none")
 
@@ -91,26 +92,24 @@ def _dtype(params: dict) -> Any:
 def _engine_values(cfg: ModelConfig, invariance: str, tp: int, page_size: int) -> Callable:
     """(params, tokens) -> f32[B, T-1] by the plan the engine runs for (invariance, tp).
 
-    The choice mirrors serving/model_runner.py (`sharded = tp > 1 or invariance == "tp"`): "tp"
-    mode runs the sharded runtime even at tp = 1 on padded weights, "batch" at tp = 1 the
-    unsharded step. tests/jdet/test_train.py compares with `LLM.score` in each case, so a change
-    of the engine's choice shows up there.
+    The engine's own choice (jdet/plan.py `Plan.sharded`): "tp" mode runs the sharded runtime
+    even at tp = 1 on padded weights, "batch" at tp = 1 the unsharded step. tests/jdet/test_train.py
+    compares with `LLM.score` in each case.
     """
-    if tp > 1 or invariance == "tp":
+    plan = Plan(cfg, invariance, tp)
+    if plan.sharded:
         from sharding.mesh import make_tp_mesh
         from sharding.specs import kv_heads_in_cache
-        from sharding.tp import make_tp_score, prepare_params
+        from sharding.tp import make_tp_score
 
-        mesh = make_tp_mesh(tp)
-        score = make_tp_score(cfg, invariance, mesh)
-        prepare = functools.partial(prepare_params, cfg=cfg, tp=tp)
+        score = make_tp_score(cfg, invariance, make_tp_mesh(tp))
         kv_heads = kv_heads_in_cache(cfg, tp)
     else:
         from jdet.step import make_score_fn
 
-        score = make_score_fn(cfg, Ops(invariance))
-        prepare = lambda p: p
+        score = make_score_fn(cfg, plan.ops())
         kv_heads = cfg.num_kv_heads
+    prepare = plan.prepare_params
 
     def values(params: dict, tokens: jax.Array) -> jax.Array:
         batch, targets, pages = _flat_batch(tokens, page_size)

@@ -132,11 +132,14 @@ class Engine:
         ~/.cache/jdet/xla), a directory, or False (jdet/compile_cache.py)."""
         from jdet import compile_cache as cc
         from jdet.ops import check_mode
+        from jdet.plan import Plan
 
         self.compile_cache_dir = cc.enable(compile_cache)
         cc.install_counter()
 
         self.invariance = check_mode(invariance)
+        # the reduction plan, validated once: kernels, padding, TP runtime, fingerprint fields
+        self.plan = Plan(model.cfg, self.invariance, tp)
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if page_size < 1 or page_size & (page_size - 1):

@@ -200,10 +200,10 @@ class ModelRunner:
         )
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
-        if sharded is None:
-            # "tp" mode runs on the sharded runtime even at tp=1 (padded FFN/vocab, the same tree),
-            # so TP=1 and TP=N servers give the same bits.
-            sharded = tp > 1 or invariance == "tp"
+        if sharded is None:  # the plan decides (jdet/plan.py `Plan.sharded`)
+            from jdet.plan import Plan
+
+            sharded = Plan(self.cfg, invariance, tp).sharded
         if sharded and step_fn is None:
             # tensor parallel: weights padded and placed on a mesh of `tp` devices, the KV cache
             # split over kv heads, step/score under shard_map (sharding/tp.py)

@@ -711,15 +711,8 @@ def build_app(
 
 def server_fingerprint(model: Any, engine: Engine) -> str:
     from jdet.fingerprint import fingerprint
-    from jdet.ops import Ops
 
-    return fingerprint(
-        model,
-        engine.invariance,
-        page_size=engine.page_size,
-        tp=engine.tp,
-        attn_partition=Ops(engine.invariance).attn_partition,
-    )
+    return fingerprint(model, engine.plan, page_size=engine.page_size)
 
 
 def serve(

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 TP_AXIS = "tp"
-MAX_TP = 8  # largest TP size the padded weights are laid out for (see specs.pad_params)
+MAX_TP = 8  # largest TP size the padded weights are laid out for (see jdet/plan.py pad_params)
 
 
 def check_tp_size(tp: int, available: int | None = None) -> None:

@@ -5,12 +5,8 @@ the FFN width, lm_head over the vocabulary. Row-parallel (input split, partial s
 tree all-reduce): wo over query heads, w_down over the FFN width. Replicated: norms, embed, bo.
 The KV cache `[L, K, P, B, E]` is split on its kv-head axis 1.
 
-Padding (why it happens once, for every TP size): sizes that do not divide by tp are padded, never
-refused. Zero FFN columns are exact (silu(0) * 0 = 0 feeds zero rows of w_down). Zero lm_head
-columns give logits that `tp.py` slices away before log_softmax/sampling, so logits are exact.
-But padding changes the K tile count of down_proj, and with it the shape of the tree that reduces
-K; so F is padded to a multiple of `block_k * MAX_TP` *for all TP sizes, TP=1 included*: every TP
-size then reduces the same padded K in the same tree, and shard r of n is a whole subtree.
+Padding is the reduction plan's (jdet/plan.py `pad_params`): sizes that do not divide by tp are
+padded, never refused, once for every TP size, so this module imports no kernel.
 
 KV heads: with tp <= K each device holds K/tp kv heads; with tp > K (e.g. 8 devices, 4 kv heads)
 each kv head is replicated tp/K times so that device d holds the one head its H/tp query heads
@@ -29,24 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 from jdet.config import ModelConfig
 from jdet.params import weight_specs
-from sharding.mesh import MAX_TP, TP_AXIS, check_tp_size
+from sharding.mesh import TP_AXIS, check_tp_size
 
 # Logical axes (jdet.params) that tensor parallelism splits. "vocab" is split only on lm_head: the
 # embedding is a row gather, replicated (a vocab-parallel gather would need an extra all-reduce).
 _SPLIT_AXES = frozenset({"heads", "kv_heads", "ffn", "o_in"})
-
-VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
-
-
-def tree_block_k(k_total: int, dtype: Any) -> int:
-    """The tree kernel's K tile for down_proj (a function of K and dtype, never of TP)."""
-    from pallas_kernels.tree_matmul import tree_plan
-
-    return tree_plan(k_total, jnp.dtype(dtype)).block_k
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def check_heads(cfg: ModelConfig, tp: int) -> None:
@@ -74,35 +57,6 @@ def kv_heads_in_cache(cfg: ModelConfig, tp: int) -> int:
     return max(cfg.num_kv_heads, tp)
 
 
-def pad_params(
-    params: dict,
-    cfg: ModelConfig,
-    *,
-    ffn_multiple: int | None = None,
-    vocab_multiple: int = VOCAB_MULTIPLE,
-) -> dict:
-    """Zero-pad FFN width and vocabulary (and untie lm_head) so every TP size <= MAX_TP splits them.
-
-    Idempotent, and independent of the TP size: call it for TP=1 too, so the down_proj tree is the
-    same one at every TP size. Returns a new dict; `params` is not modified.
-    """
-    out = dict(params)
-    layers = dict(params["layers"])
-    F = layers["w_gate"].shape[-1]
-    F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers["w_down"].dtype) * MAX_TP)
-    if F_pad != F:
-        pf = F_pad - F
-        layers["w_gate"] = jnp.pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_up"] = jnp.pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_down"] = jnp.pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
-    out["layers"] = layers
-    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
-    V = lm.shape[-1]
-    V_pad = _round_up(V, vocab_multiple)
-    out["lm_head"] = jnp.pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
-    return out
-
-
 def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
     """Replicate kv heads (wk, wv, bk, bv) tp/K times when tp > K; identity otherwise."""
     K, E = cfg.num_kv_heads, cfg.head_dim
@@ -123,7 +77,7 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 def _axes_by_name(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     axes = {spec.path[-1]: spec.axes for spec in weight_specs(cfg)}
     axes["lm_head"] = (None, "vocab")
-    # fused column-parallel weights (sharding/tp.py fuse_projections): split like their parts
+    # fused column-parallel weights (jdet/plan.py fuse_projections): split like their parts
     axes["wqkv"], axes["w_gate_up"] = axes["wq"], axes["w_gate"]
     return axes
 

@@ -34,96 +34,34 @@ from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache
 from jdet.model import forward
 from jdet.ops import Ops, check_mode
+from jdet.plan import prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
 from sharding.specs import (
     check_heads,
-    expand_kv_heads,
     kv_heads_in_cache,
     kv_partition_specs,
     named,
-    pad_params,
     param_partition_specs,
 )
 from sharding.tree_allreduce import tree_allreduce
 
 
 def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
-    """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS); `ops_kw` sets the
-    other Ops fields (attn_partition) for benchmarks."""
+    """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS): the plan's
+    row-parallel partial (jdet/plan.py `row_partial_kernel`) and the cross-device combine, the
+    tree all-reduce in "tp" and psum otherwise. `ops_kw` sets the other Ops fields
+    (attn_partition) for benchmarks."""
     check_mode(ops_mode)
-    n = num_shards
+    row_partial = row_partial_kernel(ops_mode, num_shards)
     if ops_mode == "tp":
-        from pallas_kernels.tree_matmul import tree_matmul_partial
-
-        def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-            # Every shard's subtree has the same shape, so the kernel needs no device index; a
-            # static 0 stands in for lax.axis_index (a tracer), which the kernel only validates.
-            return tree_matmul_partial(x, w, k_total=w.shape[0] * n, shard=0, num_shards=n)
-
         row_reduce = functools.partial(tree_allreduce, axis_name=TP_AXIS)
     else:
-        if ops_mode == "batch":
-            from pallas_kernels.matmul import matmul
-
-            def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-                return matmul(x, w, out_dtype=jnp.float32)
-        else:
-
-            def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-                return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
         def row_reduce(p: jax.Array) -> jax.Array:
             return lax.psum(p, TP_AXIS)
 
     return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce, **ops_kw)
-
-
-def fuse_projections(params: dict, tp: int) -> dict:
-    """One q|k|v weight (`wqkv`) and one gate|up weight (`w_gate_up`) per layer, laid out so that
-    shard r of `tp` holds [q_r | k_r | v_r] and [gate_r | up_r]: two matmul launches per layer
-    instead of five, and the narrow k/v projections (N = K*E, 8 CTAs at batch 1) ride on q's.
-
-    Why the bits do not change: in the Hopper BIO kernel an output element's arithmetic is the
-    same 64-wide K steps into one f32 accumulator whatever N is and whichever CTA holds the
-    column (pallas_kernels/matmul_mosaic.py), so column j of the fused product is bitwise
-    column j of its part; tests/sharding/test_fused_gpu.py checks it. Only used where that holds
-    (`fuse_default`): the portable kernel's N tile may follow N.
-    """
-    layers = dict(params["layers"])
-
-    def cat(names: tuple[str, ...]) -> jax.Array:
-        parts = [layers.pop(n) for n in names]
-        lead = parts[0].shape[:-1]
-        blocks = [w.reshape(*lead, tp, w.shape[-1] // tp) for w in parts]
-        fused = jnp.concatenate(blocks, axis=-1)
-        return fused.reshape(*lead, fused.shape[-2] * fused.shape[-1])
-
-    layers["wqkv"] = cat(("wq", "wk", "wv"))
-    layers["w_gate_up"] = cat(("w_gate", "w_up"))
-    return {**params, "layers": layers}
-
-
-def fuse_default() -> bool:
-    """Fuse the column-parallel projections on Hopper, where the Mosaic kernel makes it exact."""
-    from pallas_kernels import _platform
-
-    return _platform.is_hopper()
-
-
-def prepare_params(
-    params: dict,
-    cfg: ModelConfig,
-    tp: int,
-    *,
-    ffn_multiple: int | None = None,
-    fuse: bool | None = None,
-) -> dict:
-    """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed, and
-    fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`)."""
-    check_heads(cfg, tp)
-    p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
-    return fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
 
 
 def shard_params(
@@ -134,8 +72,8 @@ def shard_params(
     ffn_multiple: int | None = None,
     fuse: bool | None = None,
 ) -> dict:
-    """Pad, replicate kv heads as the mesh needs, fuse (see prepare_params), and place every
-    weight by its partition spec."""
+    """Pad, replicate kv heads as the mesh needs, fuse (jdet/plan.py `prepare_params`), and
+    place every weight by its partition spec."""
     p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse)
     return jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
 
@@ -230,8 +168,8 @@ class TPRuntime:
     """Everything a caller (jdet.LLM, the engine) needs to run a model on `tp` devices.
 
     `step`/`score` have the signatures of jdet.step's make_step_fn/make_score_fn, and `init_kv`
-    that of init_kv_cache minus cfg. Use it for TP=1 too in "tp" mode: the padded FFN (see
-    sharding/specs.py) is what makes TP=1 and TP=N perform the same down_proj tree.
+    that of init_kv_cache minus cfg. Used for TP=1 too in "tp" mode (jdet/plan.py `Plan.sharded`):
+    the padded FFN is what makes TP=1 and TP=N perform the same down_proj tree.
     """
 
     mesh: jax.sharding.Mesh

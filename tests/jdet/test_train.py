@@ -1,7 +1,7 @@
 """`jdet.train.logprobs`: the sampler's bits going forward, the XLA forward's gradient going back.
 
 The checkpoint has F = 192: 6 K tiles of the f32 tree kernel, reduced as 2 leaves of 3 tiles
-unpadded but as 8 leaves after the engine pads F to 256 (sharding/specs.py). So a forward that
+unpadded but as 8 leaves after the engine pads F to 256 (jdet/plan.py). So a forward that
 forgets the engine's padding reduces down_proj over another tree, and the negative control below
 shows that this is visible in the bits.
 """

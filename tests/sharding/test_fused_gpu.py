@@ -1,4 +1,4 @@
-"""Fused column-parallel weights (sharding/tp.py `fuse_projections`: one q|k|v and one gate|up
+"""Fused column-parallel weights (jdet/plan.py `fuse_projections`: one q|k|v and one gate|up
 matmul per layer) give bitwise the log-probs of the separate projections, compiled on Hopper.
 
 Why it can hold: the Mosaic BIO kernel reduces every output element over the same K steps whatever
@@ -27,9 +27,10 @@ def _model():
 def _score(cfg, params, prompt_lens, *, fuse: bool, fuse_tp: int = 1) -> np.ndarray:
     import jax
 
+    from jdet.plan import fuse_projections, prepare_params
     from sharding.mesh import make_tp_mesh
     from sharding.specs import named, param_partition_specs
-    from sharding.tp import fuse_projections, init_tp_kv_cache, make_tp_score, prepare_params
+    from sharding.tp import init_tp_kv_cache, make_tp_score
 
     mesh = make_tp_mesh(1)
     p = prepare_params(params, cfg, 1, fuse=False)

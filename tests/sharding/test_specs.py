@@ -8,12 +8,12 @@ from jax.sharding import PartitionSpec as P
 
 from jdet.config import ModelConfig
 from jdet.params import init_params
+from jdet.plan import pad_params
 from sharding.mesh import check_tp_size
 from sharding.specs import (
     check_heads,
     expand_kv_heads,
     kv_heads_in_cache,
-    pad_params,
     param_partition_specs,
 )
 

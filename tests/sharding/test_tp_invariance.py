@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jdet.ops import Ops
+from jdet.plan import prepare_params
 from jdet.step import init_kv_cache, make_score_fn
-from sharding.tp import prepare_params
 from tests.sharding import tiny
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")

@@ -1,0 +1,194 @@
+"""The reduction plan: every decision the bits depend on, made once from (model config, invariance,
+tp, dtype).
+
+A newcomer's map: `invariance` and `tp` enter here and nowhere else is validated or branched on for
+them outside the kernels' dispatch in jdet/ops.py.
+- which runtime: `Plan.sharded` — the `shard_map` step (sharding/tp.py) for tp > 1, and in "tp"
+  mode at tp = 1 too (the padded FFN below is what makes TP=1 and TP=N reduce down_proj in the same
+  tree); the plain jitted step (jdet/step.py) otherwise. Both run the same step body.
+- which kernel per op: `Plan.ops()` (jdet/ops.py: BIO matmul, tree matmul, fixed-partition paged
+  attention, invariant norms and log_softmax, or XLA in "none") and `row_partial_kernel` (the
+  row-parallel projection's per-device partial under TP; sharding only combines the partials).
+- the weight layout: `pad_params` (FFN width to a multiple of the tree kernel's block_k x MAX_TP for
+  every TP size; vocabulary to 128 x MAX_TP), `prepare_params` (+ kv heads replicated when
+  tp > kv heads, + q|k|v and gate|up fused where the kernel makes that exact).
+- the attention partition (`attn_partition`) and the fields `system_fingerprint` hashes
+  (`Plan.kernel_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdet.config import ModelConfig
+from jdet.ops import Ops, check_mode
+from sharding.mesh import MAX_TP, check_tp_size
+
+VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The reduction plan of one engine (module docstring). Validated at construction."""
+
+    cfg: ModelConfig
+    invariance: str = "tp"
+    tp: int = 1
+    # KV partition of the invariant paged attention, in tokens (jdet/ops.py says why 256)
+    attn_partition: int = Ops.attn_partition
+
+    def __post_init__(self) -> None:
+        check_mode(self.invariance)
+        check_tp_size(self.tp)
+        from sharding.specs import check_heads
+
+        check_heads(self.cfg, self.tp)
+
+    @property
+    def sharded(self) -> bool:
+        """Run the `shard_map` step: for tp > 1, and in "tp" mode at tp = 1 as well (the padded
+        weights reduce down_proj in the tree every TP size reduces it in)."""
+        return self.tp > 1 or self.invariance == "tp"
+
+    def ops(self) -> Ops:
+        """The unsharded step's Ops (sharding/tp.py `make_tp_ops` adds the cross-device part)."""
+        return Ops(invariance=self.invariance, attn_partition=self.attn_partition)
+
+    def prepare_params(self, params: dict, **kw: Any) -> dict:
+        """The weights as this plan's runtime takes them (identity for the unsharded step)."""
+        return prepare_params(params, self.cfg, self.tp, **kw) if self.sharded else params
+
+    def kernel_plan(self, page_size: int) -> dict:
+        """The plan's part of `system_fingerprint` (jdet/fingerprint.py)."""
+        return {
+            "page_size": page_size,
+            "attn_partition": self.attn_partition,
+            "tp": self.tp if self.invariance != "tp" else "any",
+        }
+
+
+def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
+    """The f32 partial of a row-parallel projection (o_proj, down_proj) over one device's
+    contiguous K shard: the exact subtree of the tree matmul in "tp" (its upper levels are the
+    tree all-reduce), a BIO matmul in "batch", an XLA dot in "none" (both combined by psum)."""
+    check_mode(invariance)
+    n = num_shards
+    if invariance == "tp":
+        from pallas_kernels.tree_matmul import tree_matmul_partial
+
+        def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+            # Every shard's subtree has the same shape, so the kernel needs no device index; a
+            # static 0 stands in for lax.axis_index (a tracer), which the kernel only validates.
+            return tree_matmul_partial(x, w, k_total=w.shape[0] * n, shard=0, num_shards=n)
+
+    elif invariance == "batch":
+        from pallas_kernels.matmul import matmul
+
+        def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+            return matmul(x, w, out_dtype=jnp.float32)
+
+    else:
+
+        def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
+            return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    return row_partial
+
+
+# -- the weight layout ----------------------------------------------------------------------------
+def tree_block_k(k_total: int, dtype: Any) -> int:
+    """The tree kernel's K tile for down_proj (a function of K and dtype, never of TP)."""
+    from pallas_kernels.tree_matmul import tree_plan
+
+    return tree_plan(k_total, jnp.dtype(dtype)).block_k
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_params(
+    params: dict,
+    cfg: ModelConfig,
+    *,
+    ffn_multiple: int | None = None,
+    vocab_multiple: int = VOCAB_MULTIPLE,
+) -> dict:
+    """Zero-pad FFN width and vocabulary (and untie lm_head) so every TP size <= MAX_TP splits them.
+
+    Why once, for every TP size: zero FFN columns are exact (silu(0) * 0 = 0 feeds zero rows of
+    w_down) and zero lm_head columns give logits that the TP step slices away, but padding changes
+    the K tile count of down_proj, and with it the shape of the tree that reduces K; so F is padded
+    to a multiple of `block_k * MAX_TP` for all TP sizes, TP=1 included: every TP size then reduces
+    the same padded K in the same tree, and shard r of n is a whole subtree.
+    Idempotent, and independent of the TP size. Returns a new dict; `params` is not modified.
+    """
+    out = dict(params)
+    layers = dict(params["layers"])
+    F = layers["w_gate"].shape[-1]
+    F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers["w_down"].dtype) * MAX_TP)
+    if F_pad != F:
+        pf = F_pad - F
+        layers["w_gate"] = jnp.pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_up"] = jnp.pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_down"] = jnp.pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
+    out["layers"] = layers
+    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
+    V = lm.shape[-1]
+    V_pad = _round_up(V, vocab_multiple)
+    out["lm_head"] = jnp.pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
+    return out
+
+
+def fuse_projections(params: dict, tp: int) -> dict:
+    """One q|k|v weight (`wqkv`) and one gate|up weight (`w_gate_up`) per layer, laid out so that
+    shard r of `tp` holds [q_r | k_r | v_r] and [gate_r | up_r]: two matmul launches per layer
+    instead of five, and the narrow k/v projections (N = K*E, 8 CTAs at batch 1) ride on q's.
+
+    Why the bits do not change: in the Hopper BIO kernel an output element's arithmetic is the
+    same 64-wide K steps into one f32 accumulator whatever N is and whichever CTA holds the
+    column (pallas_kernels/matmul_mosaic.py), so column j of the fused product is bitwise
+    column j of its part; tests/sharding/test_fused_gpu.py checks it. Only used where that holds
+    (`fuse_default`): the portable kernel's N tile may follow N.
+    """
+    layers = dict(params["layers"])
+
+    def cat(names: tuple[str, ...]) -> jax.Array:
+        parts = [layers.pop(n) for n in names]
+        lead = parts[0].shape[:-1]
+        blocks = [w.reshape(*lead, tp, w.shape[-1] // tp) for w in parts]
+        fused = jnp.concatenate(blocks, axis=-1)
+        return fused.reshape(*lead, fused.shape[-2] * fused.shape[-1])
+
+    layers["wqkv"] = cat(("wq", "wk", "wv"))
+    layers["w_gate_up"] = cat(("w_gate", "w_up"))
+    return {**params, "layers": layers}
+
+
+def fuse_default() -> bool:
+    """Fuse the column-parallel projections on Hopper, where the Mosaic kernel makes it exact."""
+    from pallas_kernels import _platform
+
+    return _platform.is_hopper()
+
+
+def prepare_params(
+    params: dict,
+    cfg: ModelConfig,
+    tp: int,
+    *,
+    ffn_multiple: int | None = None,
+    fuse: bool | None = None,
+) -> dict:
+    """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed, and
+    fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`)."""
+    from sharding.specs import check_heads, expand_kv_heads
+
+    check_heads(cfg, tp)
+    p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
+    return fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
