@@ -39,6 +39,7 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         enable_prefix_caching: bool = True,
+        scheduling: str = "stall_free",
         dtype: str = "bfloat16",
         compile_cache: bool | str | Path = True,
         warmup: bool | None = None,
@@ -47,7 +48,8 @@ class LLM:
         min_pages_bucket: int = 32,
         async_scheduling: bool = False,
     ) -> None:
-        """`min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
+        """The settings are those of `jdet.settings.EngineConfig` (help text there), plus `warmup`.
+        `min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
         `compile_cache`: JAX's persistent compilation cache (True: `$JDET_CACHE_DIR` or
         ~/.cache/jdet/xla; a directory; False: off). `warmup`: compile every step shape on the
         first generate/stream (and every score shape on the first score), with a progress bar,
@@ -82,6 +84,7 @@ class LLM:
             page_size=page_size,
             num_pages=num_pages,
             enable_prefix_caching=enable_prefix_caching,
+            scheduling=scheduling,
             compile_cache=compile_cache,
             min_tokens_bucket=min_tokens_bucket,
             min_seqs_bucket=min_seqs_bucket,

@@ -49,6 +49,28 @@ def none_partition(t: int, page_table_shape: tuple, cache_shape: tuple, target: 
     return ps
 
 
+def _xla_matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """The "none" mode's projection: XLA's fastest plan (f32 accumulation either way).
+
+    On a GPU, measured by benchmarks/scan_dot_probe.py on an H100 (a scan of 32 layers of
+    [M, 4096] @ [4096, 14336] weights sliced from the stack, as in the model): with XLA's
+    Triton GEMMs each weight slice is first copied out of the stack (0.94 TB/s); with cuBLAS
+    (jdet/step.py turns Triton GEMMs off for "none") the slice is read in place (2.5 TB/s) —
+    provided the dot outputs bf16 directly (cuBLAS rounds its f32 accumulator once, the same
+    rounding as f32-then-cast): an f32 output at M = 1 made XLA convert the weights to f32 first
+    (0.57 TB/s). An f32 output (the LM head) pads its rows to 8, where cuBLAS takes bf16
+    operands with an f32 result as they are."""
+    from pallas_kernels import _platform
+
+    if _platform.platform() != "gpu":
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    if jnp.dtype(out_dtype) == x.dtype:
+        return jnp.dot(x, w, preferred_element_type=out_dtype)
+    m = x.shape[0]
+    xp = jnp.pad(x, ((0, 8 - m), (0, 0))) if m < 8 else x
+    return jnp.dot(xp, w, preferred_element_type=jnp.float32)[:m].astype(out_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     invariance: str = "tp"
@@ -84,7 +106,7 @@ class Ops:
             from pallas_kernels import matmul
 
             return matmul(x, w, out_dtype=out_dtype)
-        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+        return _xla_matmul(x, w, out_dtype)
 
     def row_matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """Row-parallel projection (o_proj, down_proj): the reduction TP splits across devices."""

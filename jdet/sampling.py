@@ -141,6 +141,29 @@ def _when(pred: jax.Array, fn, x: jax.Array) -> jax.Array:
     return jax.lax.cond(pred, fn, lambda y: y, x)
 
 
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops) -> jax.Array:
+    """The top-k/top-p filter, skipped when no row of the step asks for it — off a GPU only.
+
+    On a GPU the skip would be a `lax.cond` whose branch holds a sort (a cub custom call XLA
+    cannot capture in a CUDA graph), so XLA runs it as a host-side conditional: the host thread
+    copies the predicate back and so waits for the whole forward before it can launch the sampler
+    — every step became synchronous (profile in BENCHMARKS.md, issue 11). There the filter runs
+    for every step (one sort of the [N, V] logits: ≈ 40 µs at N = 1, V = 128k) and rows that do
+    not ask keep their logits through a select: the same bits either way."""
+    from pallas_kernels import _platform
+
+    if _platform.platform() != "gpu":
+        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+        return jax.lax.cond(
+            needs_filter,
+            lambda s: _filter_top_k_top_p(s, top_k, top_p, ops),
+            lambda s: s,
+            scaled,
+        )
+    rows = ((top_k > 0) | (top_p < 1.0))[:, None]
+    return jnp.where(rows, _filter_top_k_top_p(scaled, top_k, top_p, ops), scaled)
+
+
 def process_logits(logits: jax.Array, x: LogitsInputs) -> jax.Array:
     """The transforms before temperature (module docstring: order), each skipped when no row of
     the step uses it."""
@@ -171,13 +194,7 @@ def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     scaled = logits / temp[:, None]
     if x is not None:
         scaled = _when(jnp.any(x.min_p > 0), lambda s: apply_min_p(s, x.min_p), scaled)
-    needs_filter = jnp.any((inp.top_k > 0) | (inp.top_p < 1.0))
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda s: _filter_top_k_top_p(s, inp.top_k, inp.top_p, ops),
-        lambda s: s,
-        scaled,
-    )
+    scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
     keys = row_keys(inp.seed, inp.position)
     V = logits.shape[-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (V,), jnp.float32, 1e-20, 1.0))(keys)

@@ -7,6 +7,7 @@ shapes and compiles them all before it serves (serving/model_runner.py `ShapeSet
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -19,16 +20,84 @@ from jdet.ops import Ops
 from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
 
 
+def step_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
+    """THE step: (params, kv, batch, sampling) -> (kv, SampleOut). The unsharded step jits it;
+    the TP step (sharding/tp.py) runs it per device under `shard_map`, with TP Ops (the row-
+    parallel combine) and `gather_vocab`, which assembles each device's vocab columns."""
+
+    def body(
+        params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
+    ) -> tuple[dict, SampleOut]:
+        kv, logits = _logits(params, cfg, kv, batch, ops, gather_vocab)
+        return kv, sample(logits, sampling, ops)
+
+    return body
+
+
+def score_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
+    """(params, kv, batch, targets i32[N]) -> (kv, f32[N]): log p(targets) at logits_rows, with
+    step_body's logits and sharding."""
+
+    def body(
+        params: dict, kv: dict, batch: StepBatch, targets: jax.Array
+    ) -> tuple[dict, jax.Array]:
+        kv, logits = _logits(params, cfg, kv, batch, ops, gather_vocab)
+        return kv, token_logprobs(logits, targets, ops)
+
+    return body
+
+
+def _logits(params, cfg, kv, batch, ops, gather_vocab):
+    kv, logits = forward(params, cfg, kv, batch, ops)  # unsharded [N, V]; under TP [N, V_pad/tp]
+    if gather_vocab is not None:  # a copy (exact); the padded columns are sliced off
+        logits = gather_vocab(logits)[:, : cfg.vocab_size]
+    return kv, logits
+
+NONE_GPU_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
+
+
+def xla_options(ops: Ops) -> dict:
+    """XLA compiler options of the step: empty except for the "none" mode on a GPU.
+
+    Why: the layers run under a `lax.scan` over stacked weights, so each projection's weight is a
+    dynamic slice of the stack. XLA feeds a dynamic slice to a custom call (our Pallas kernels,
+    cuBLAS) in place ("dynamic slice fusion"), but its Triton GEMM fusions — which it picks for
+    small-M dots — take only whole buffers, so it copied every weight of every layer before
+    using it: the "none" decode step read each weight twice and wrote it once (H100 profile,
+    Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off the dots go to
+    cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS` ("key=value,...", or "" for
+    XLA's defaults) overrides it, for benchmarks."""
+    from pallas_kernels import _platform
+
+    if ops.invariant or _platform.platform() != "gpu":
+        return {}
+    env = os.environ.get(OPTIONS_ENV)
+    if env is None:
+        return dict(NONE_GPU_XLA_OPTIONS)
+    out: dict = {}
+    for item in filter(None, env.split(",")):
+        k, v = item.split("=")
+        out[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), v.strip())
+    return out
+
+
+def _jit(ops: Ops) -> Callable:
+    opts = xla_options(ops)
+    if opts:
+        return functools.partial(jax.jit, donate_argnums=(1,), compiler_options=opts)
+    return functools.partial(jax.jit, donate_argnums=(1,))
+
+
 @functools.cache
 def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
     """Cached per (cfg, ops): every LLM/engine over the same model shares one compile cache."""
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @_jit(ops)
     def step(
         params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
     ) -> tuple[dict, SampleOut]:
-        kv, logits = forward(params, cfg, kv, batch, ops)
-        return kv, sample(logits, sampling, ops)
+        return step_body(cfg, ops)(params, kv, batch, sampling)
 
     return step
 
@@ -37,11 +106,10 @@ def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
 def make_score_fn(cfg: ModelConfig, ops: Ops) -> Callable:
     """score(params, kv, batch, targets i32[N]) -> (kv, f32[N]): log p(targets) at logits_rows."""
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @_jit(ops)
     def score(
         params: dict, kv: dict, batch: StepBatch, targets: jax.Array
     ) -> tuple[dict, jax.Array]:
-        kv, logits = forward(params, cfg, kv, batch, ops)
-        return kv, token_logprobs(logits, targets, ops)
+        return score_body(cfg, ops)(params, kv, batch, targets)
 
     return score

@@ -20,7 +20,6 @@ and if its page accounting is not clean afterwards the process exits non-zero.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -770,96 +769,9 @@ def read_chat_template(arg: str | None) -> str | None:
     return arg
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `jdet serve` flags (the CLI can reuse this)."""
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: embedded)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key", default=None, help="require this bearer key (default: $JDET_API_KEY)"
-    )
-    p.add_argument(
-        "--public-metrics", action="store_true", help="serve /metrics without the API key"
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="request body limit (413)"
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="Jinja chat template (a file or the text) replacing the tokenizer's",
-    )
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--invariance", default="tp", choices=["tp", "batch", "none"])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--scheduling", default="stall_free", choices=["stall_free", "prefill_first"])
-    p.add_argument(
-        "--min-tokens-bucket",
-        type=int,
-        default=16,
-        help="smallest padded token count (raise it to compile fewer shapes)",
-    )
-    p.add_argument(
-        "--min-seqs-bucket", type=int, default=1, help="smallest padded sequence count"
-    )
-    p.add_argument(
-        "--min-pages-bucket", type=int, default=32, help="smallest padded page-table width"
-    )
-    p.add_argument(
-        "--compile-cache-dir",
-        default=None,
-        help="persistent compilation cache (default: $JDET_CACHE_DIR or ~/.cache/jdet/xla)",
-    )
-    p.add_argument(
-        "--no-compile-cache", action="store_true", help="do not use the persistent cache"
-    )
-    p.add_argument("--log-level", default="info")
+if __name__ == "__main__":  # `python -m serving.server ...` is `jdet serve ...` (jdet/cli.py)
+    import sys
 
+    from jdet.cli import main
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="jdet serve", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    a = p.parse_args(argv)
-    serve(
-        a.model,
-        host=a.host,
-        port=a.port,
-        api_key=a.api_key,
-        public_metrics=a.public_metrics,
-        max_body_bytes=a.max_body_bytes,
-        served_model_name=a.served_model_name,
-        chat_template=a.chat_template,
-        log_level=a.log_level,
-        dtype=a.dtype,
-        invariance=a.invariance,
-        tp=a.tp,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_num_seqs=a.max_num_seqs,
-        max_model_len=a.max_model_len,
-        page_size=a.page_size,
-        num_pages=a.num_pages,
-        enable_prefix_caching=not a.no_prefix_caching,
-        scheduling=a.scheduling,
-        min_tokens_bucket=a.min_tokens_bucket,
-        min_seqs_bucket=a.min_seqs_bucket,
-        min_pages_bucket=a.min_pages_bucket,
-        compile_cache=compile_cache_setting(a),
-    )
-
-
-def compile_cache_setting(a: argparse.Namespace) -> bool | str:
-    """--no-compile-cache / --compile-cache-dir DIR -> Engine's `compile_cache`."""
-    if a.no_compile_cache and a.compile_cache_dir:
-        raise ValueError("give --compile-cache-dir or --no-compile-cache, not both")
-    return False if a.no_compile_cache else (a.compile_cache_dir or True)
-
-
-if __name__ == "__main__":
-    main()
+    sys.exit(main(["serve", *sys.argv[1:]]))

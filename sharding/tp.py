@@ -1,4 +1,6 @@
-"""Tensor-parallel step and score: the model's forward under `shard_map` over the 'tp' axis.
+"""Tensor-parallel step and score: jdet's one step body (jdet/step.py `step_body`/`score_body`)
+under `shard_map` over the 'tp' axis, with the plan's TP Ops. This module holds meshes, partition
+specs and the cross-device combines; the kernels are the plan's (jdet/plan.py).
 
 Per device: column-parallel projections produce its heads / FFN columns / vocab columns with the
 ordinary (BIO) matmul; each output column is reduced whole over K, so its bits do not depend on
@@ -32,10 +34,10 @@ from jax.sharding import PartitionSpec as P
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache
-from jdet.model import forward
 from jdet.ops import Ops, check_mode
 from jdet.plan import prepare_params, row_partial_kernel
-from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
+from jdet.sampling import SampleOut, SamplingInputs
+from jdet.step import score_body, step_body
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
 from sharding.specs import (
     check_heads,
@@ -95,15 +97,9 @@ def init_tp_kv_cache(
     return make()
 
 
-def _sharded_logits(cfg: ModelConfig, ops: Ops) -> Callable:
-    """Per-device body: forward on the shard, then the full (unpadded) logits on every device."""
-
-    def body(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
-        kv, logits = forward(params, cfg, kv, batch, ops)  # [N, V_pad / tp]
-        logits = lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
-        return kv, logits[:, : cfg.vocab_size]
-
-    return body
+def _gather_vocab(logits: jax.Array) -> jax.Array:
+    """Each device's vocab columns [N, V_pad / tp] -> the full [N, V_pad] on every device."""
+    return lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
 
 
 def _wrap(
@@ -123,14 +119,7 @@ def make_tp_step(
     `init_tp_kv_cache`. `ops_kw`: Ops fields other than the mode (see make_tp_ops).
     """
     check_heads(cfg, tp_size(mesh))
-    ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
-    logits_of = _sharded_logits(cfg, ops)
-
-    def body(
-        params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
-    ) -> tuple[dict, SampleOut]:
-        kv, logits = logits_of(params, kv, batch)
-        return kv, sample(logits, sampling, ops)
+    body = step_body(cfg, make_tp_ops(ops_mode, tp_size(mesh), **ops_kw), _gather_vocab)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(
@@ -145,14 +134,7 @@ def make_tp_step(
 def make_tp_score(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
     """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`."""
     check_heads(cfg, tp_size(mesh))
-    ops = make_tp_ops(ops_mode, tp_size(mesh))
-    logits_of = _sharded_logits(cfg, ops)
-
-    def body(
-        params: dict, kv: dict, batch: StepBatch, targets: jax.Array
-    ) -> tuple[dict, jax.Array]:
-        kv, logits = logits_of(params, kv, batch)
-        return kv, token_logprobs(logits, targets, ops)
+    body = score_body(cfg, make_tp_ops(ops_mode, tp_size(mesh)), _gather_vocab)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def score(

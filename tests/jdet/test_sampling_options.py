@@ -392,3 +392,38 @@ def test_chat_renders_the_template_and_batches_conversations(llm):
     assert custom[0].prompt == "be brief|hello|"
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], sp)
+
+
+def test_gpu_top_k_top_p_select_equals_the_skipping_cond(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the top-k/top-p filter runs every step behind a per-row select (a `lax.cond`
+    around a sort is a host-side conditional there: it made every step synchronous). The select
+    must give the bits of the cond it replaces, for steps where no row, some rows and all rows
+    filter. Control: a select that filters every row (ignoring the row's request) differs."""
+    from pallas_kernels import _platform
+
+    ops = Ops("none")  # XLA's log_softmax: runs anywhere under the patched platform
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, V)).astype(np.float32) * 3)
+    z = np.zeros(6, np.float32)
+    cases = {
+        "none": (np.zeros(6, np.int32), z + 1),
+        "some": (np.array([0, 5, 0, 40, 0, 0], np.int32),
+                 np.array([1, 1, 0.9, 1, 0.5, 1], np.float32)),
+        "all": (np.full(6, 7, np.int32), z + 0.8),
+    }
+
+    def draw(top_k: np.ndarray, top_p: np.ndarray) -> tuple:
+        inp = SamplingInputs(temperature=z + 0.9, top_k=jnp.asarray(top_k),
+                             top_p=jnp.asarray(top_p), seed=jnp.arange(6, dtype=jnp.uint32),
+                             position=jnp.arange(6, dtype=jnp.int32) + 11)  # fmt: skip
+        out = jax.jit(lambda lg, i: sample(lg, i, ops))(logits, inp)
+        return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+    cond = {k: draw(*v) for k, v in cases.items()}
+    monkeypatch.setattr(_platform, "platform", lambda: "gpu")
+    for k, v in cases.items():
+        sel = draw(*v)
+        assert np.array_equal(sel[0], cond[k][0]) and np.array_equal(sel[1], cond[k][1]), k
+    # control: filtering the unfiltered rows with another row's top-k changes their draws
+    forced = draw(np.full(6, 5, np.int32), cases["some"][1])
+    assert not np.array_equal(forced[0], cond["some"][0])

@@ -1,0 +1,110 @@
+"""The engine's and the server's settings, each written once, with their defaults and help text.
+
+`EngineConfig` holds every setting of a serving engine (`jdet.LLM`, `serving.engine.Engine`,
+`jdet serve`); `ServerConfig` those of the HTTP server. The CLI's flags (jdet/cli.py) are generated
+from these fields — name, type, default, choices and help — so a setting added here appears in
+`jdet serve --help` and `jdet generate --help` with nothing else to edit, and the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from jdet.ops import MODES
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its CLI help (and `choices`, `flag` for a differently named flag)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs a model. Values are checked where they are used (LLM, Engine, Plan)."""
+
+    invariance: str = _opt(
+        "tp", "reduction plan: 'tp' (same bits at any batch and TP size), 'batch' (any batch), "
+        "'none' (XLA's own kernels, the fast baseline)", choices=MODES,
+    )  # fmt: skip
+    tp: int = _opt(1, "tensor-parallel size: devices the model is split over (1, 2, 4 or 8)")
+    dtype: str = _opt("bfloat16", "weight and KV-cache dtype", choices=("bfloat16", "float32"))
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (also the largest bucket)")
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_model_len: int | None = _opt(
+        None, "longest prompt + completion (default: the model's, capped by the KV pool)"
+    )
+    page_size: int = _opt(16, "tokens per KV-cache page (a power of two)")
+    num_pages: int | None = _opt(None, "KV-cache pages (default: sized from free memory)")
+    enable_prefix_caching: bool = _opt(
+        True, "reuse the KV pages of shared prompt prefixes", flag="--no-prefix-caching"
+    )
+    scheduling: str = _opt(
+        "stall_free", "'stall_free' (decodes first, prefill chunks fill the budget) or "
+        "'prefill_first'", choices=("stall_free", "prefill_first"),
+    )  # fmt: skip
+    min_tokens_bucket: int = _opt(16, "smallest padded token count (raise it: fewer compiles)")
+    min_seqs_bucket: int = _opt(1, "smallest padded sequence count")
+    min_pages_bucket: int = _opt(32, "smallest padded page-table width")
+    compile_cache: bool | str = _opt(
+        True, "persistent XLA compilation cache: --compile-cache-dir DIR (default "
+        "$JDET_CACHE_DIR or ~/.cache/jdet/xla) or --no-compile-cache", flag="--compile-cache-dir",
+    )  # fmt: skip
+    async_scheduling: bool = _opt(
+        False, "dispatch each steady decode step before the previous one's tokens reach the host "
+        "(same bits)",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server's own settings (serving/server.py)."""
+
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(
+        None, "require this bearer key (default: $JDET_API_KEY, which unlike a flag is not "
+        "visible in ps)",
+    )  # fmt: skip
+    public_metrics: bool = _opt(False, "serve /metrics without the API key")
+    max_body_bytes: int = _opt(4 << 20, "request body limit in bytes (larger: 413)")
+    served_model_name: str | None = _opt(None, "model name in responses (default: its directory)")
+    chat_template: str | None = _opt(
+        None, "Jinja chat template (a file or the text) replacing the tokenizer's"
+    )
+    log_level: str = _opt("info", "uvicorn log level")
+
+
+def add_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass `cls`, with its default, choices and help."""
+    for f in dataclasses.fields(cls):
+        meta, name = f.metadata, "--" + f.name.replace("_", "-")
+        help_ = meta["help"]
+        if "default" not in help_ and f.default not in (None, False):
+            help_ += f" (default: {f.default})"
+        if f.name == "compile_cache":
+            p.add_argument(meta["flag"], dest="compile_cache_dir", default=None, help=help_)
+            p.add_argument("--no-compile-cache", action="store_true", help="no persistent cache")
+        elif f.type in ("bool", bool) and f.default is True:
+            off = f"turn off (default on): {meta['help']}"
+            p.add_argument(meta.get("flag", name), dest=f.name, action="store_false", help=off)
+        elif f.type in ("bool", bool):
+            p.add_argument(name, dest=f.name, action="store_true", help=help_)
+        else:
+            kind = int if str(f.type).startswith("int") else str
+            p.add_argument(
+                name, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
+                help=help_,
+            )  # fmt: skip
+
+
+def from_args(cls: type, a: argparse.Namespace) -> Any:
+    """The dataclass `cls` from parsed flags (add_flags)."""
+    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if f.name != "compile_cache"}
+    if any(f.name == "compile_cache" for f in dataclasses.fields(cls)):
+        if a.no_compile_cache and a.compile_cache_dir:
+            raise ValueError("give --compile-cache-dir or --no-compile-cache, not both")
+        kw["compile_cache"] = False if a.no_compile_cache else (a.compile_cache_dir or True)
+    return cls(**kw)
