@@ -8,6 +8,7 @@ from jdet.api import LLM
 from jdet.config import ModelConfig
 from jdet.loader import Model, load, save
 from jdet.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jdet.spec_config import SpeculativeConfig
 from jdet.version import __version__
 
 
@@ -23,6 +24,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "SamplingParams",
+    "SpeculativeConfig",
     "RequestOutput",
     "CompletionOutput",
     "load",

@@ -20,6 +20,7 @@ from jdet.ops import check_mode
 from jdet.plan import Plan
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
+from jdet.spec_config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
@@ -47,6 +48,7 @@ class LLM:
         min_seqs_bucket: int = 1,
         min_pages_bucket: int = 32,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | dict | None = None,
     ) -> None:
         """The settings are those of `jdet.settings.EngineConfig` (help text there), plus `warmup`.
         `min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
@@ -55,11 +57,15 @@ class LLM:
         first generate/stream (and every score shape on the first score), with a progress bar,
         so no call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes
         then compile when first met). `async_scheduling`: dispatch each steady decode step
-        before the previous one's tokens reach the host (same bits; serving/engine.py)."""
+        before the previous one's tokens reach the host (same bits; serving/engine.py).
+        `speculative`: a `jdet.SpeculativeConfig` (or dict of its fields) to draft and verify
+        several tokens per step; with verify="exact" the outputs are bitwise those without it
+        (serving/speculative.py)."""
         self.model = model if isinstance(model, Model) else load(model, dtype=dtype)
         self.cfg = self.model.cfg
         self.invariance = check_mode(invariance)
         self.plan = Plan(self.cfg, self.invariance, tp)  # the reduction plan, validated once
+        self.speculative = SpeculativeConfig.from_any(speculative)
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} but only {len(jax.devices())} devices are visible")
         window = self.cfg.sliding_window
@@ -90,6 +96,7 @@ class LLM:
             min_seqs_bucket=min_seqs_bucket,
             min_pages_bucket=min_pages_bucket,
             async_scheduling=async_scheduling,
+            speculative=self.speculative,
         )
         if warmup is None:
             warmup = os.environ.get("JDET_WARMUP", "1") != "0"

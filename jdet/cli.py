@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import sys
 
+from jdet import spec_config
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
 
@@ -28,10 +29,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="top tokens kept, 0: all (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_flags(g, EngineConfig)
+    spec_config.add_flags(g)  # speculative decoding (jdet/spec_config.py)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_dir", nargs="?", default=None, help="model directory (or --model)")
     s.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     add_flags(s, EngineConfig)
+    spec_config.add_flags(s)
     add_flags(s, ServerConfig)
     return ap
 
@@ -40,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         engine = from_args(EngineConfig, a)
+        spec = spec_config.from_args(a)
         if a.cmd == "generate":
-            return _generate(a, engine)
+            return _generate(a, engine, spec)
         if a.cmd == "serve":
             from serving.server import serve
 
             kw = dataclasses.asdict(engine)
+            kw["speculative"] = spec
             serve(a.model_dir or a.model, **dataclasses.asdict(from_args(ServerConfig, a)), **kw)
             return 0
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
@@ -54,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _generate(a: argparse.Namespace, engine: EngineConfig) -> int:
+def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) -> int:
     import jdet
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
     # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
-    llm = jdet.LLM(a.model, warmup=False, **dataclasses.asdict(engine))
+    llm = jdet.LLM(a.model, warmup=False, speculative=spec, **dataclasses.asdict(engine))
     sp = jdet.SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,

@@ -43,6 +43,7 @@ from serving.sequence import (
     check_prompt_ids,
     derive_seed,
 )
+from serving.speculative import num_rows
 
 log = logging.getLogger("jdet.engine")
 
@@ -126,13 +127,16 @@ class Engine:
         keep_raw_metrics: bool = False,
         compile_cache: bool | str | Any = True,
         async_scheduling: bool = False,
+        speculative: Any = None,
     ) -> None:
         """`min_*_bucket` shape the compiled step shapes (serving/model_runner.py `ShapeSet`);
         `compile_cache` is JAX's persistent compilation cache: True (`$JDET_CACHE_DIR` or
-        ~/.cache/jdet/xla), a directory, or False (jdet/compile_cache.py)."""
+        ~/.cache/jdet/xla), a directory, or False (jdet/compile_cache.py). `speculative`: a
+        `jdet.SpeculativeConfig` (or dict) for speculative decoding (serving/speculative.py)."""
         from jdet import compile_cache as cc
         from jdet.ops import check_mode
         from jdet.plan import Plan
+        from jdet.spec_config import SpeculativeConfig
 
         self.compile_cache_dir = cc.enable(compile_cache)
         cc.install_counter()
@@ -172,6 +176,12 @@ class Engine:
             )
         self.page_size = page_size
         self.tp = tp
+        self.speculative = SpeculativeConfig.from_any(speculative)
+        self.speculator = None  # speculative decoding (issue 13): drafts + acceptance
+        if self.speculative is not None:
+            from serving.speculative import Speculator
+
+            self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(
             num_pages, page_size, enable_prefix_caching=enable_prefix_caching, watermark=watermark
@@ -196,9 +206,16 @@ class Engine:
             step_fn=step_fn,
             tp=tp,
             sharded=sharded,
+            rows_per_seq=1 + (self.speculative.num_tokens if self.speculative else 0),
         )
+        if self.speculator is not None:  # a model draft runs on the target's runner
+            self.speculator.attach(self.runner, self.invariance)
         self.metrics = EngineMetrics(keep_raw=keep_raw_metrics)
         self.metrics.kv_pages_total.set(num_pages)
+        if self.speculator is not None:  # acceptance in /metrics (issue 13)
+            from serving.speculative import SpecCollector
+
+            self.metrics.registry.register(SpecCollector(self.speculator))
         self.eos_token_ids = set(self.cfg.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None:
             if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -283,7 +300,11 @@ class Engine:
         if inflight is not None:
             plan, out = inflight  # dispatched by the previous call, from device-side tokens
         else:
+            if self.speculator is not None:  # issue 13: drafts before the budget is shared
+                self.speculator.propose(self.scheduler.running)
             plan, out = self.scheduler.schedule(), None
+            if self.speculator is not None:  # a model draft drafts for the verifies planned
+                self.speculator.fill(plan)
             now = time.perf_counter()
             for seq, _ in plan:
                 if seq.first_scheduled_time is None:
@@ -294,13 +315,17 @@ class Engine:
                 plan, prepared = self._prepare(plan)
                 if plan:
                     out = self.runner.dispatch(*prepared)
-            if plan and self.async_scheduling:
+                    if self.speculator is not None:  # a draft model's cache follows
+                        self.speculator.mirror(prepared)
+            # sampled rows per entry, fixed now (`_report` may end a sequence meanwhile)
+            nrows = [num_rows(s, n) for s, n in plan] if self.speculator else [1] * len(plan)
+            if plan and self.async_scheduling and self.speculator is None:
                 self._inflight = self._dispatch_ahead(plan, out)
             outputs = self._report()  # overlaps with the device
             if plan:
                 want_top = any(s.options.logprobs for s, _ in plan)
-                res = self.runner.fetch(out, len(plan), want_top)
-                self._apply(plan, res)
+                res = self.runner.fetch(out, sum(nrows), want_top)
+                self._apply(plan, res, nrows)
             if self._inflight is not None and not any(
                 s.status is Status.RUNNING for s, _ in self._inflight[0]
             ):
@@ -416,18 +441,15 @@ class Engine:
             raise EngineBroken(f"page accounting is inconsistent after {error}: {e}") from e
         self.refresh_gauges()
 
-    def _apply(self, plan: list[tuple[Sequence, int]], res: dict) -> None:
+    def _apply(self, plan: list[tuple[Sequence, int]], res: dict, nrows: list[int]) -> None:
+        rows: Any = range(len(plan))  # each plan entry's sampled row
+        if self.speculator is not None:
+            plan, rows = self._accept_drafts(plan, res, nrows)
         self.scheduler.advance(plan)
-        for i, (seq, _) in enumerate(plan):
+        for i, (seq, _) in zip(rows, plan, strict=True):
             if seq.status is not Status.RUNNING or seq.num_uncomputed > 0:
                 continue  # finished meanwhile, or a prefill chunk that samples nothing
-            tok = int(res["tokens"][i])
-            seq.token_ids.append(tok)
-            seq.logprobs.append(float(res["logprobs"][i]))
-            k = seq.options.logprobs
-            if k:
-                ids, lps = res["top_ids"][i, :k], res["top_logprobs"][i, :k]
-                seq.top_logprobs.append([(int(a), float(b)) for a, b in zip(ids, lps, strict=True)])
+            tok = self._append(seq, res, i)
             o = seq.options
             if tok in o.stop_token_ids or (not o.ignore_eos and tok in self.eos_token_ids):
                 self._finish(seq, "stop", tok if tok in o.stop_token_ids else None)
@@ -435,8 +457,53 @@ class Engine:
                 seq.num_tokens >= self.max_model_len
             ):
                 self._finish(seq, "length")
-            self._pending[seq] = None
-            self.metrics.generation_tokens.inc()
+
+    def _append(self, seq: Sequence, res: dict, i: int) -> int:
+        """Append the token sampled in row `i` (and its log-probs) to `seq`."""
+        tok = int(res["tokens"][i])
+        seq.token_ids.append(tok)
+        seq.logprobs.append(float(res["logprobs"][i]))
+        k = seq.options.logprobs
+        if k:
+            ids, lps = res["top_ids"][i, :k], res["top_logprobs"][i, :k]
+            seq.top_logprobs.append([(int(a), float(b)) for a, b in zip(ids, lps, strict=True)])
+        self._pending[seq] = None
+        self.metrics.generation_tokens.inc()
+        return tok
+
+    def _ends(self, seq: Sequence, tok: int, m: int) -> bool:
+        """Whether `tok`, as the m-th token appended to `seq` now, finishes it (`_apply`)."""
+        o = seq.options
+        return (
+            tok in o.stop_token_ids
+            or (not o.ignore_eos and tok in self.eos_token_ids)
+            or (o.max_tokens is not None and seq.num_output_tokens + m >= o.max_tokens)
+            or seq.num_tokens + m >= self.max_model_len
+        )
+
+    def _accept_drafts(
+        self, plan: list[tuple[Sequence, int]], res: dict, nrows: list[int]
+    ) -> tuple[list, list]:
+        """Speculative decoding (serving/speculative.py): for each verify in `plan`, append the
+        accepted drafts now (before `advance`, so that pages they fill hash the right tokens).
+        Returns the plan with each verify cut to its computed tokens (x and the accepted
+        drafts) and each entry's row holding its next token (for a verify, the target's own)."""
+        out, rows, r0 = [], [], 0
+        for (seq, n), r in zip(plan, nrows, strict=True):  # r: the rows `prepare` gave it
+            last = r0 + r - 1
+            if r > 1 and seq.status is Status.RUNNING:
+                toks = [int(t) for t in res["tokens"][r0 : r0 + r]]
+                m = self.speculator.num_emitted(
+                    seq, seq.draft_token_ids[: r - 1], toks, lambda t, j, s=seq: self._ends(s, t, j)
+                )
+                for i in range(r0, r0 + m - 1):
+                    self._append(seq, res, i)
+                n, last = m, r0 + m - 1
+            seq.draft_token_ids = []
+            out.append((seq, n))
+            rows.append(last)
+            r0 += r
+        return out, rows
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         self.scheduler.finish(seq)
@@ -497,32 +564,40 @@ class Engine:
 
     def _detokenize(self, seq: Sequence) -> None:
         """Incremental detokenisation (new text only once it is no longer a partial character),
-        then stop strings, matched on the text across token boundaries."""
+        then stop strings, matched on the text across token boundaries. One token at a time, so
+        a speculative step's several tokens give the text, and the stop, of as many steps: a stop
+        string ends the sequence at the token that completes it; later tokens are dropped."""
         tok = self.tokenizer
         if tok is None:
             return
-        skip = seq.options.skip_special_tokens
-        ids, end = seq.token_ids, seq.num_tokens
-        if seq.read_offset < end:
-            prefix = tok.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-            full = tok.decode(ids[seq.prefix_offset : end], skip_special_tokens=skip)
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                seq.text += full[len(prefix) :]
-                seq.prefix_offset, seq.read_offset = seq.read_offset, end
-            elif seq.is_finished:  # flush what is left, even a lone partial character
-                seq.text += full[len(prefix) :]
-                seq.read_offset = end
-        if seq.options.stop and not isinstance(seq.stop_reason, str):
-            longest = max(len(s) for s in seq.options.stop)
-            start = max(0, seq.emitted_chars - longest + 1)
-            hits = [(seq.text.find(s, start), s) for s in seq.options.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                seq.text = seq.text[:i]
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
-                seq.finish_reason, seq.stop_reason = "stop", s
+        skip = {"skip_special_tokens": seq.options.skip_special_tokens}
+        ids, last = seq.token_ids, seq.num_tokens
+        for end in range(min(seq.detok_end + 1, last), last + 1):
+            seq.detok_end = end
+            if seq.read_offset < end:
+                prefix = tok.decode(ids[seq.prefix_offset : seq.read_offset], **skip)
+                full = tok.decode(ids[seq.prefix_offset : end], **skip)
+                if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                    seq.text += full[len(prefix) :]
+                    seq.prefix_offset, seq.read_offset = seq.read_offset, end
+                elif seq.is_finished and end == last:  # flush what is left, even a partial char
+                    seq.text += full[len(prefix) :]
+                    seq.read_offset = end
+            if seq.options.stop and not isinstance(seq.stop_reason, str):
+                longest = max(len(s) for s in seq.options.stop)
+                start = max(0, seq.emitted_chars - longest + 1)
+                hits = [(seq.text.find(s, start), s) for s in seq.options.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = seq.text[:i]
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                    if end < last:  # tokens past the stop (a speculative run): dropped
+                        keep = end - seq.num_prompt_tokens
+                        del seq.token_ids[end:], seq.logprobs[keep:], seq.top_logprobs[keep:]
+                    return
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         if seq.is_finished or not seq.options.stop:
@@ -577,6 +652,10 @@ class Engine:
         if kind in self.warm:
             return 0.0
         dt = self.runner.warmup(kind, progress=progress, should_stop=should_stop)
+        if kind == "step" and self.speculator is not None:  # the draft's passes too
+            t0 = time.perf_counter()
+            self.speculator.warmup()
+            dt += time.perf_counter() - t0
         if should_stop is None or not should_stop():
             self.warm.add(kind)
         return dt

@@ -112,10 +112,14 @@ class LogitsRows:
             self._neutral[key] = self._put(LogitsInputs(**self._host(S, U)))
         return self._neutral[key]
 
-    def build(self, plan: list[tuple[Sequence, int]], S: int, U: int) -> LogitsInputs:
-        """The step's LogitsInputs: rows of sequences that sample now and use a transform."""
+    def build(
+        self, plan: list[tuple[Sequence, int]], S: int, U: int, row_of: list[int] | None = None
+    ) -> LogitsInputs:
+        """The step's LogitsInputs: rows of sequences that sample now and use a transform.
+        `row_of[s]`: plan entry s's sampled row (default s; a speculative verify takes several
+        rows, but never for a sequence with transforms: serving/speculative.py)."""
         rows = [
-            (s, seq)
+            (s if row_of is None else row_of[s], seq)
             for s, (seq, n) in enumerate(plan)
             if seq.options.needs_logits_inputs and seq.num_computed_tokens + n == seq.num_tokens
         ]

@@ -183,7 +183,10 @@ class ModelRunner:
         step_fn: Callable | None = None,
         tp: int = 1,
         sharded: bool | None = None,
+        rows_per_seq: int = 1,
     ) -> None:
+        """`rows_per_seq`: sampled rows one sequence may take in a step (K + 1 with speculative
+        decoding, serving/speculative.py): the S bucket allows max_num_seqs of that many."""
         from jdet.kv_cache import init_kv_cache
 
         self.cfg = model.cfg
@@ -192,7 +195,7 @@ class ModelRunner:
         self.max_pages = cdiv(max_model_len, page_size)
         self.shapes = ShapeSet.build(
             max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=max_num_seqs * rows_per_seq,
             max_pages=self.max_pages,
             min_tokens_bucket=min_tokens_bucket,
             min_seqs_bucket=min_seqs_bucket,
@@ -234,14 +237,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host side
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
-        """The padded numpy StepBatch and SamplingInputs for `plan` (one logits row per seq)."""
+        """The padded numpy StepBatch and SamplingInputs for `plan`: one sampled row per
+        sequence, k + 1 for a speculative verify of k drafts (serving/speculative.py)."""
         from jdet.batch import StepBatch
         from jdet.step import SamplingInputs
+        from serving.speculative import num_rows, step_tokens
 
         B = self.page_size
         T = sum(n for _, n in plan)
         S = len(plan)
-        Tp, Sp, Pp = self.shapes.fit(T, S, max(len(s.block_table) for s, _ in plan))
+        R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
+        Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.block_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
         tok = np.zeros(Tp, np.int32)
         pos = np.zeros(Tp, np.int32)
@@ -255,28 +261,32 @@ class ModelRunner:
         top_p = np.ones(Sp, np.float32)
         seed = np.zeros(Sp, np.uint32)
         spos = np.zeros(Sp, np.int32)
-        t0 = 0
+        t0 = r0 = 0
+        first_row = []
         for s, (seq, n) in enumerate(plan):
             start = seq.num_computed_tokens
             p = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.block_table, np.int32)
-            tok[t0 : t0 + n] = seq.token_ids[start : start + n]
+            tok[t0 : t0 + n] = step_tokens(seq, n)
             pos[t0 : t0 + n] = p
             slot[t0 : t0 + n] = pages[p // B] * B + p % B
             qs[s + 1] = t0 + n
             cl[s] = start + n
             pt[s, : len(pages)] = pages
-            rows[s] = t0 + n - 1
+            r = slice(r0, r0 + R[s])  # the sequence's last R[s] tokens are sampled
+            first_row.append(r0)
+            rows[r] = np.arange(t0 + n - R[s], t0 + n)
             o = seq.options
-            temp[s], top_k[s], top_p[s] = o.temperature, o.top_k, o.top_p
-            seed[s] = seq.seed
-            spos[s] = start + n  # the position the sampled token will occupy
+            temp[r], top_k[r], top_p[r] = o.temperature, o.top_k, o.top_p
+            seed[r] = seq.seed
+            spos[r] = np.arange(start + n - R[s], start + n) + 1  # where each sample goes
             t0 += n
+            r0 += R[s]
         qs[S + 1 :] = t0
         batch = StepBatch(tok, pos, slot, qs, cl, pt, rows)
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
-            logits=self.logits_rows.build(plan, Sp, Pp * B),
+            logits=self.logits_rows.build(plan, Sp, Pp * B, first_row),
         )  # fmt: skip
         return batch, sampling
 

@@ -74,8 +74,23 @@ class Scheduler:
             passes = (True,)
         for decoding in passes:
             self._schedule_running_pass(decoding, plan, budget)
+            if decoding:
+                self._add_drafts(plan, budget)  # speculative decoding (issue 13)
         self._admit_waiting(plan, budget)
         return list(plan.items())
+
+    def _add_drafts(self, plan: dict, budget: list[int]) -> None:
+        """Speculative decoding (serving/speculative.py): once every decode has its token, each
+        decode (oldest first) also computes its draft tokens, within the budget and the free
+        pages (a draft never preempts anyone; it shrinks to what fits)."""
+        for seq, n in list(plan.items()):
+            k = min(len(seq.draft_token_ids), budget[0])
+            if k < 1 or n != 1 or seq.num_uncomputed != 1:
+                continue
+            k = min(k, self.bm.tokens_fitting(seq, self.bm.num_free) - 1)
+            if k >= 1 and self.bm.grow(seq, 1 + k):
+                plan[seq] = 1 + k
+                budget[0] -= k
 
     def _schedule_running_pass(self, decoding: bool, plan: dict, budget: list[int]) -> None:
         """Decodes (one token each) or running prefills (a chunk each), oldest first."""

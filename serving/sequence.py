@@ -388,12 +388,15 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)  # hash chain of its registered pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
+    # speculative decoding (serving/speculative.py): this step's draft, set before scheduling
+    draft_token_ids: list[int] = field(default_factory=list)
     # outputs
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     prefix_offset: int = 0  # incremental detokenisation window over token_ids (see engine)
     read_offset: int = 0
+    detok_end: int = 0  # tokens detokenised and matched against stop strings so far
     emitted_chars: int = 0  # text / tokens already reported to the caller
     emitted_tokens: int = 0
     finish_reason: str | None = None
@@ -406,7 +409,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.read_offset = len(self.prompt_token_ids)
+        self.read_offset = self.detok_end = len(self.prompt_token_ids)
         self.prefix_offset = max(0, self.read_offset - 5)  # a little context for leading spaces
 
     @property

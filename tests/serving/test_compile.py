@@ -33,7 +33,7 @@ SETTINGS = dict(
 )
 
 
-def workload(llm: jdet.LLM) -> list:
+def workload(llm: jdet.LLM, with_score: bool = True) -> list:
     """Lengths 1..max_model_len, batches of 1..max_num_seqs, prefix hits, preemption (the pool
     holds 1.25 full sequences), n > 1, logprobs, stop strings, seeded and greedy, scoring."""
     rng = np.random.default_rng(0)
@@ -66,6 +66,8 @@ def workload(llm: jdet.LLM) -> list:
         [prompts[i % len(prompts)] for i in range(len(opts))] + [prompts[0]],
         [jdet.SamplingParams(max_tokens=8, **o) for o in opts] + [sp[0]],
     )
+    if not with_score:
+        return outs
     scores = llm.score([p + [1, 2] for p in prompts[2:]] + [prompts[-1] * 1])
     return outs + scores
 
@@ -90,6 +92,24 @@ def test_after_warmup_no_request_mix_compiles(serving_model, capsys):
     before = compile_cache.stats()
     cold.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))
     assert compile_cache.stats().compiles > before.compiles
+
+
+def test_after_warmup_speculative_traffic_compiles_nothing(serving_model):
+    """Speculative verifies (K + 1 sampled rows per sequence) run only shapes of the set, which
+    a speculative engine widens in S (max_num_seqs * (K + 1) rows) and warms up."""
+    spec = jdet.SpeculativeConfig(method="ngram", num_tokens=4)
+    llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True, speculative=spec)
+    assert llm.engine.runner.shapes.max_seqs == 4 * 5
+    llm.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))  # first use: step warm-up
+    before = compile_cache.stats()
+    copy = [5, 6, 7, 8, 9, 10] * 4  # n-gram drafts that the model accepts now and then
+    outs = llm.generate([copy, copy[:13]], jdet.SamplingParams(temperature=0.0, max_tokens=30,
+                                                               ignore_eos=True))  # fmt: skip
+    outs += workload(llm, with_score=False)
+    assert llm.engine.speculator.stats()["draft_tokens"] > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert compile_cache.stats().compiles == before.compiles
+    assert len(outs) > 10
 
 
 def test_server_reports_warming_up_until_every_shape_is_compiled(serving_model):

@@ -1,0 +1,129 @@
+"""`SpeculativeConfig`: how (and whether) an engine drafts tokens and verifies them.
+
+Validated here, at the boundary (API, CLI, server), so the engine never sees an unknown value.
+The design and why `verify="exact"` changes no bit: serving/speculative.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+METHODS = ("ngram", "self", "draft")
+VERIFY = ("exact", "rejection")
+# what this version runs; the rest is refused by name
+IMPLEMENTED = {("ngram", "exact"), ("self", "exact"), ("draft", "exact")}
+MAX_NUM_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
+        sequence's last n tokens, n from `ngram_max` down to `ngram_min`; no model),
+        "self" (the target's first `draft_layers` layers + its norm and LM head) or
+        "draft" (a separate small model sharing the tokenizer, `draft_model`).
+    num_tokens: K, the most draft tokens verified per sequence and step (1..16).
+    verify: "exact" (default: accept draft i iff it equals the token the target samples there
+        with its (seed, position) key, so the output is bitwise that of non-speculative decoding)
+        or "rejection" (the standard accept-with-min(1, p/q) rule: same distribution, other bits).
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    draft_model: Any = None
+    verify: str = "exact"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}"
+            )
+        if self.verify not in VERIFY:
+            raise ValueError(
+                f"speculative verify {self.verify!r} is unknown; use one of {', '.join(VERIFY)}"
+            )
+        if (self.method, self.verify) not in IMPLEMENTED:
+            raise ValueError(
+                f"speculative method={self.method!r} with verify={self.verify!r} is not "
+                f"implemented in this version of jdet; use verify='exact'"
+            )
+        _int(self.num_tokens, "num_tokens", 1, MAX_NUM_TOKENS)
+        _int(self.ngram_min, "ngram_min", 1, 64)
+        _int(self.ngram_max, "ngram_max", self.ngram_min, 64)
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative method='draft' needs draft_model (a path or jdet.Model)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is only used by method='draft', not {self.method!r}")
+        if self.draft_layers is not None:
+            if self.method != "self":
+                raise ValueError("draft_layers is only used by method='self'")
+            _int(self.draft_layers, "draft_layers", 1, 1 << 16)
+
+    @classmethod
+    def from_any(cls, v: Any) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig or a dict of its fields (unknown keys refused by name)."""
+        if v is None or isinstance(v, cls):
+            return v
+        if isinstance(v, dict):
+            names = {f.name for f in dataclasses.fields(cls)}
+            bad = sorted(set(v) - names)
+            if bad:
+                raise ValueError(
+                    f"unknown speculative setting(s) {', '.join(bad)}; known: "
+                    f"{', '.join(sorted(names))}"
+                )
+            return cls(**v)
+        raise TypeError(f"speculative must be a jdet.SpeculativeConfig or a dict, got {v!r}")
+
+    @property
+    def changes_bits(self) -> bool:
+        """Whether outputs may differ from non-speculative decoding (the fingerprint's concern)."""
+        return self.verify != "exact"
+
+
+def add_flags(p: Any) -> None:
+    """`jdet serve` / `jdet generate` flags (argparse); `from_args` reads them back."""
+    p.add_argument(
+        "--speculative-method", default=None, choices=METHODS,
+        help="speculative decoding draft: 'ngram' (prompt lookup), 'self' (the model's first "
+        "layers), 'draft' (--speculative-draft-model); default off",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4,
+        help="draft tokens verified per sequence and step, K (default: 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-verify", default="exact", choices=VERIFY,
+        help="'exact': the same bits as without speculation (default)",
+    )  # fmt: skip
+    p.add_argument("--speculative-draft-model", default=None, help="draft model directory")
+    p.add_argument(
+        "--speculative-draft-layers", type=int, default=None,
+        help="layers of the 'self' draft (default: half the model's)",
+    )  # fmt: skip
+
+
+def from_args(a: Any) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of parsed `add_flags` flags, or None when speculation is off."""
+    if a.speculative_method is None:
+        for flag in ("speculative_draft_model", "speculative_draft_layers"):
+            if getattr(a, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-method")
+        return None
+    return SpeculativeConfig(
+        method=a.speculative_method,
+        num_tokens=a.num_speculative_tokens,
+        verify=a.speculative_verify,
+        draft_model=a.speculative_draft_model,
+        draft_layers=a.speculative_draft_layers,
+    )
+
+
+def _int(v: Any, name: str, lo: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"speculative {name} must be an integer in [{lo}, {hi}], got {v!r}")
