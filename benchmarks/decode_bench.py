@@ -86,7 +86,8 @@ def step_flops(model: Any, batch: int, ctx: int) -> float:
     return 2.0 * (w / 2) * batch + 4.0 * c.num_layers * c.num_heads * c.head_dim * ctx * batch
 
 
-def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0) -> tuple[Any, Any]:
+def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0,
+                  pad_tokens: int = 0) -> tuple[Any, Any]:  # fmt: skip
     """StepBatch + SamplingInputs of `batch` sequences each decoding its token at position ctx-1,
     sequence b on pages b*used.. where `used` holds its ctx tokens (a permutation would not change
     the time: pages are 4 KB+); table entries past the context are never read: they repeat the
@@ -101,11 +102,17 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0) -> t
     pos = np.full(batch, ctx - 1, np.int32)
     slot = pt[:, (ctx - 1) // PAGE] * PAGE + (ctx - 1) % PAGE
     tok = np.random.default_rng(seed).integers(1, cfg.vocab_size, batch).astype(np.int32)
-    sb = StepBatch(tok, pos, slot.astype(np.int32), np.arange(batch + 1, dtype=np.int32),
+    slot = slot.astype(np.int32)
+    if pad_tokens > batch:  # rows of no sequence, as the engine pads T to its bucket (slot -1)
+        extra = pad_tokens - batch
+        tok = np.concatenate([tok, np.zeros(extra, np.int32)])
+        pos = np.concatenate([pos, np.zeros(extra, np.int32)])
+        slot = np.concatenate([slot, np.full(extra, -1, np.int32)])
+    sb = StepBatch(tok, pos, slot, np.arange(batch + 1, dtype=np.int32),
                    np.full(batch, ctx, np.int32), pt, b.copy())  # fmt: skip
     z = np.zeros(batch, np.float32)
     si = SamplingInputs(temperature=z, top_k=np.zeros(batch, np.int32), top_p=z + 1,
-                        seed=np.zeros(batch, np.uint32), position=pos + 1)  # fmt: skip
+                        seed=np.zeros(batch, np.uint32), position=pos[:batch] + 1)  # fmt: skip
     return sb, si
 
 
@@ -121,14 +128,16 @@ def pages_for(ctx: int, steps: int) -> int:
     return pow2_bucket(-(-(ctx + steps + 16) // PAGE), 1, 1 << 20)
 
 
-def device_step(runner: Any, batch: int, ctx: int, steps: int, step_fn: Any = None) -> float:
-    """Median seconds per back-to-back decode step (runner's params/cache; `step_fn` overrides)."""
+def device_step(runner: Any, batch: int, ctx: int, steps: int, step_fn: Any = None,
+                pad_tokens: int = 0) -> float:  # fmt: skip
+    """Median seconds per back-to-back decode step (runner's params/cache; `step_fn` overrides;
+    `pad_tokens`: T padded with rows of no sequence, as the engine's token bucket does)."""
     import jax
 
     from benchmarks.timing import median_seconds
 
     fn = step_fn or runner.step_fn
-    sb, si = decode_inputs(runner.cfg, batch, ctx, pages_for(ctx, steps))
+    sb, si = decode_inputs(runner.cfg, batch, ctx, pages_for(ctx, steps), pad_tokens=pad_tokens)
     sb, si = jax.device_put(sb), jax.device_put(si)
 
     def one(sb: Any, si: Any) -> Any:
@@ -240,6 +249,18 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 save()
+        for pad in a.pad_tokens:  # batch 1 at the engine's padded token counts
+            ctx = min(a.ctx)
+            try:
+                dev = device_step(runner, 1, ctx, a.steps, pad_tokens=pad)
+                row = row_for(model, mode, 1, ctx, dev, ceil)
+            except Exception:  # noqa: BLE001
+                row = {"mode": mode, "batch": 1, "ctx": ctx,
+                       "error": traceback.format_exc()[-2000:]}  # fmt: skip
+            row.update(shape=shape, pad_tokens=pad)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
         if mode == "tp" and a.variants:
             from sharding.mesh import make_tp_mesh
             from sharding.tp import make_tp_step
@@ -392,6 +413,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", default="1024,8192")
     p.add_argument("--engine-ctx", default="1024", help="contexts with an engine-step row (B=1)")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--pad-tokens", default="", help="batch-1 rows with T padded to these counts "
+                   "(the engine pads T to its token bucket, min_tokens_bucket)")  # fmt: skip
     p.add_argument("--variants", default="", help="'tp' Ops settings to compare, comma-separated "
                    "('attn_partition=128,attn_partition=512')")  # fmt: skip
     p.add_argument("--kernels", default="", help="shapes whose single-layer kernels to time")
@@ -412,6 +435,7 @@ def run(out_dir: str = "out", argv: list[str] | None = None) -> dict:
     a.ctx = [int(c) for c in a.ctx.split(",")]
     a.engine_ctx = [int(c) for c in a.engine_ctx.split(",") if c]
     a.variants = [v for v in a.variants.split(",") if v]
+    a.pad_tokens = [int(t) for t in a.pad_tokens.split(",") if t]
     res: dict = {"args": {k: v for k, v in vars(a).items()}, "torch": [], "rows": [],
                  "variants": [], "kernels": {}}  # fmt: skip
 
@@ -455,8 +479,10 @@ def table(res: dict) -> str:
             lines.append(f"{r.get('shape')} {r['mode']} {r['batch']} {r['ctx']} ERROR")
             continue
         e = r.get("engine_step_s")
+        pad = f" T={r['pad_tokens']}" if r.get("pad_tokens") else ""
         lines.append(
-            f"{r['shape']} {r['mode']} {r['batch']} {r['ctx']} | {r['device_step_s'] * 1e3:.2f} "
+            f"{r['shape']} {r['mode']} {r['batch']}{pad} {r['ctx']} | "
+            f"{r['device_step_s'] * 1e3:.2f} "
             f"{r['device_tok_per_s']:.0f} {r['device_GBps']:.0f} {r.get('device_vs_floor', 0):.2f}"
             + (f" | {e * 1e3:.2f} {r.get('engine_vs_floor', 0):.2f} {r['host_s'] * 1e3:.2f}"
                if e else "")
