@@ -1,18 +1,26 @@
-"""Time-to-ready and the price of a bounded shape set; writes `ready_bench.json`.
+"""Time-to-ready and the price of a bounded shape set; writes `ready_bench.json` to --out.
 
-1. Time-to-ready, first start and second start: each in a fresh process, from the interpreter's
-   start to an engine whose every step shape is compiled (what `jdet serve` does before /health
-   says 200): imports, random weights of the shape, the engine (KV pool), `Engine.warmup()`.
-   The first start runs on an empty persistent compilation cache, the second on the cache the
-   first one wrote. Also reported: the warm-up alone, shapes, compilations and cache hits.
-2. Padding cost: device time of representative steps at the shape-set bucket the engine would
-   pick against the exact (unpadded) shape (compiled once just for this), same data, same run.
-   Rows: decode at batch 1, 8 and 64 (ctx 1024), one prefill chunk, a mixed decode+prefill step.
+1. Time-to-ready of three starts, each a fresh process, from the interpreter's start to an
+   engine whose every step shape is compiled (what `jdet serve` does before /health says 200):
+   imports, random weights of the shape, the engine (KV pool), `Engine.warmup()`.
+   - first start: empty caches (it writes JAX's persistent XLA cache and jdet's executable cache);
+   - second start, XLA cache only (JDET_EXEC_CACHE=0): compiles are cache loads, but every shape
+     is still traced and lowered;
+   - second start, executable cache (the default): each shape's executable is loaded from jdet's
+     cache (jdet/exec_cache.py), nothing traced.
+   Also reported: the warm-up alone, shapes, compilations, cache hits, step tracings, executable
+   cache loads/writes. A table on stdout, the JSON in --out.
+2. With --padding, in the last start: device time of representative steps at the shape-set
+   bucket the engine would pick against the exact (unpadded) shape (compiled once just for this),
+   same data, same run. Rows: decode at batch 1, 8 and 64 (ctx 1024), one prefill chunk, a mixed
+   decode+prefill step.
 
-Weights are random with the shapes of Qwen3-0.6B/8B (benchmarks/serve_bench.py). On a CPU
-`--smoke` runs the tiny shape in seconds.
+Weights are random with the shapes of Qwen3-0.6B/8B (benchmarks/serve_bench.py), drawn on the
+device (`--host-weights`: numpy on the host as serve_bench does, 140 s a start on the 8B shape).
+On a CPU `--smoke` runs the tiny shape in seconds. On one H100, 8B shape (< 5 minutes without
+--padding):
 
-    PYTHONPATH=. python -m benchmarks.ready_bench --out out --shape 8b [--smoke]
+    PYTHONPATH=. python -m benchmarks.ready_bench --out $OUT --shape 8b [--padding] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,9 +47,40 @@ def engine_settings(a: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------- 1. one start (child)
+def device_random_model(shape: str, dtype: str, max_len: int) -> Any:
+    """serve_bench.random_model with the weights drawn on the device (jax.random), not numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.serve_bench import random_model
+    from jdet import params as P
+
+    def init(cfg: Any, seed: int = 0, dtype: Any = jnp.bfloat16, scale: float = 0.02) -> dict:
+        key = jax.random.key(seed)
+        made = []
+
+        def make(spec: Any) -> Any:
+            shp = P.full_shape(cfg, spec)
+            if spec.init in ("ones", "zeros"):
+                return (jnp.ones if spec.init == "ones" else jnp.zeros)(shp, dtype)
+            made.append(spec)
+            k = jax.random.fold_in(key, len(made))
+            return (jax.random.normal(k, shp, jnp.float32) * scale).astype(dtype)
+
+        return P.map_specs(cfg, make)
+
+    real = P.init_params
+    P.init_params = init  # only while the weights are made: the engine sees the real module
+    try:
+        return random_model(shape, dtype, max_len=max_len)
+    finally:
+        P.init_params = real
+
+
 def start(a: argparse.Namespace) -> dict:
     """One start from scratch in this process; the padding rows when asked for."""
     from jdet import compile_cache as cc
+    from jdet import exec_cache
 
     cc.enable(a.cache_dir)  # before the weights are made: their compiles are cached too
     cc.install_counter()
@@ -51,14 +90,16 @@ def start(a: argparse.Namespace) -> dict:
     from serving.engine import Engine
 
     t_imp = time.perf_counter() - _T0
-    model = random_model(a.shape, a.dtype, max_len=max(a.max_model_len, 4096))
+    make = random_model if a.host_weights else device_random_model
+    model = make(a.shape, a.dtype, max_len=max(a.max_model_len, 4096))
     jax.block_until_ready(model.params)
     t_model = time.perf_counter() - _T0
     eng = Engine(model, **engine_settings(a), compile_cache=a.cache_dir)
     t_engine = time.perf_counter() - _T0
+    s0, traced0 = cc.stats(), cc.traced()
     warm = eng.warmup("step", progress=False)
     ready = time.perf_counter() - _T0
-    s = cc.stats()
+    s, traced = cc.stats(), cc.traced()
     res = {
         "time_to_ready_s": ready, "imports_s": t_imp, "model_s": t_model - t_imp,
         "engine_s": t_engine - t_model, "warmup_s": warm,
@@ -66,6 +107,12 @@ def start(a: argparse.Namespace) -> dict:
             "tokens": eng.runner.shapes.tokens, "pages": eng.runner.shapes.pages,
             "max_seqs": eng.runner.shapes.max_seqs},
         "compiles": s.compiles, "compile_s": s.seconds, "cache_hits": s.cache_hits,
+        "warmup_compiles": s.compiles - s0.compiles, "warmup_compile_s": s.seconds - s0.seconds,
+        "warmup_cache_hits": s.cache_hits - s0.cache_hits,
+        "warmup_traces": s.traces - s0.traces, "warmup_lowerings": s.lowerings - s0.lowerings,
+        "warmup_trace_lower_s": s.trace_seconds - s0.trace_seconds,
+        "step_traces": traced.get("step", 0) - traced0.get("step", 0),
+        "exec_cache": exec_cache.stats(), "exec_cache_on": exec_cache.enabled_by_env(),
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
     }  # fmt: skip
     if a.padding:
@@ -176,7 +223,7 @@ def padding(eng: Any, a: argparse.Namespace) -> list[dict]:
 # ---------------------------------------------------------------------- driver
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ready_bench", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--shape", default="8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--mode", default="tp")
@@ -194,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--padding", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--padding", action="store_true", help="padding-cost rows, in the last start")
+    p.add_argument("--host-weights", action="store_true", help="numpy weights (slow, as before)")
     p.add_argument("--smoke", action="store_true", help="tiny model on a CPU")
     return p
 
@@ -211,11 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cache = a.cache_dir or tempfile.mkdtemp(prefix="jdet-ready-")
     base = [sys.executable, "-m", "benchmarks.ready_bench", "--child", "--cache-dir", cache]
-    base += [x for x in argv if x not in ("--child",)]
+    base += [x for x in argv if x not in ("--child", "--padding")]
     res: dict[str, Any] = {"settings": vars(a), "commit": os.environ.get("JDET_COMMIT")}
     os.makedirs(a.out, exist_ok=True)
-    for name, extra in (("first_start", []), ("second_start", ["--padding"])):
-        p = subprocess.run(base + extra, capture_output=True, text=True, check=False)
+    starts = (
+        ("first_start", "first start (empty caches)", {}, []),
+        ("second_start_xla", "second start, XLA cache only", {"JDET_EXEC_CACHE": "0"}, []),
+        ("second_start_exec", "second start, executable cache", {"JDET_EXEC_CACHE": "1"},
+         ["--padding"] if a.padding else []),
+    )  # fmt: skip
+    for name, _, env, extra in starts:
+        p = subprocess.run(
+            base + extra, capture_output=True, text=True, check=False, env={**os.environ, **env}
+        )
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             res[name + "_error"] = (p.stdout + p.stderr)[-4000:]
@@ -226,14 +282,46 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)  # fmt: skip
         with open(os.path.join(a.out, "ready_bench.json"), "w") as fh:
             json.dump(res, fh, indent=1, default=str)
-    if "second_start" in res:
-        f, s = res["first_start"], res["second_start"]
-        res["second_over_first"] = s["time_to_ready_s"] / f["time_to_ready_s"]
-        res["warmup_second_over_first"] = s["warmup_s"] / f["warmup_s"]
-        print(json.dumps({k: res[k] for k in ("second_over_first", "warmup_second_over_first")}))
+    if "first_start" in res:
+        f = res["first_start"]
+        for name, _, _, _ in starts[1:]:
+            if name in res:
+                s = res[name]
+                res[name]["ready_over_first"] = s["time_to_ready_s"] / f["time_to_ready_s"]
+                res[name]["warmup_over_first"] = s["warmup_s"] / f["warmup_s"]
+        print(table(res, starts))
     with open(os.path.join(a.out, "ready_bench.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
     return 0
+
+
+def table(res: dict, starts: tuple) -> str:
+    """The starts side by side (markdown)."""
+    cols = [
+        ("time to ready s", "time_to_ready_s", "{:.1f}"), ("weights s", "model_s", "{:.1f}"),
+        ("warm-up s", "warmup_s", "{:.1f}"), ("warm-up / first", "warmup_over_first", "{:.3f}"),
+        ("ready / first", "ready_over_first", "{:.3f}"),
+        ("compiles (cache hits)", None, None), ("trace+lower s", "warmup_trace_lower_s", "{:.1f}"),
+        ("step traces", "step_traces", "{}"), ("exec loads/writes", None, None),
+    ]  # fmt: skip
+    f = res.get("first_start", {})
+    head = f"{res['settings']['shape']} shape, {f.get('shapes')} step shapes, {f.get('device')}"
+    lines = [head, "| start | " + " | ".join(c for c, _, _ in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]  # fmt: skip
+    for name, label, _, _ in starts:
+        r = res.get(name)
+        if r is None:
+            continue
+        cells = []
+        for c, k, fmt in cols:
+            if c.startswith("compiles"):
+                cells.append(f"{r['warmup_compiles']} ({r['warmup_cache_hits']})")
+            elif c.startswith("exec"):
+                cells.append(f"{r['exec_cache']['loads']}/{r['exec_cache']['writes']}")
+            else:
+                cells.append(fmt.format(r[k]) if k in r else "—")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

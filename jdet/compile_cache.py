@@ -24,6 +24,9 @@ Compile counter: `stats()` counts backend compilations of this process from `jax
 events ('/jax/core/compile/backend_compile_duration', which fires for every executable JAX
 builds, a persistent-cache load included, and '/jax/compilation_cache/cache_hits' for the loads).
 The server exports them on /metrics; the tests assert the count does not move after warm-up.
+It also counts tracings ('/jax/core/compile/jaxpr_trace_duration') and lowerings to MLIR
+('/jax/core/compile/jaxpr_to_mlir_module_duration'), per function name too (`traced()`): what
+jdet's executable cache (jdet/exec_cache.py, in `exec_dir()`) skips on a restart.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+EXEC_SUBDIR = "exec"  # jdet's executable cache, inside the compilation cache directory
 
 CacheSetting = bool | str | os.PathLike | None
 
@@ -48,14 +54,21 @@ def default_dir() -> Path:
 
 
 _enabled_by_jdet: Path | None = None
+_exec_dir: Path | None = None
 _lock = threading.Lock()
+
+
+def exec_dir() -> Path | None:
+    """Where jdet's executable cache lives (`<cache dir>/exec`), None when `enable` turned the
+    caches off or was never called."""
+    return _exec_dir
 
 
 def enable(setting: CacheSetting = True) -> Path | None:
     """Turn the persistent cache on (True: the default directory; a path: there) or off (False
     or None); returns the directory in use. Call before the compiles it should cover; a process
     that already compiled is switched over too (JAX decides once per process otherwise)."""
-    global _enabled_by_jdet
+    global _enabled_by_jdet, _exec_dir
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     with _lock:
@@ -65,14 +78,17 @@ def enable(setting: CacheSetting = True) -> Path | None:
                 jax.config.update("jax_compilation_cache_dir", None)
                 cc.reset_cache()
             _enabled_by_jdet = None
+            _exec_dir = None
             return None
         if setting is True:
             if current and (_enabled_by_jdet is None or Path(current) != _enabled_by_jdet):
+                _exec_dir = Path(current) / EXEC_SUBDIR
                 return Path(current)  # the user's own JAX setting wins over jdet's default
             path = default_dir()
         else:
             path = Path(setting).expanduser()
         path.mkdir(parents=True, exist_ok=True)
+        _exec_dir = path / EXEC_SUBDIR
         if current == str(path):
             return path
         jax.config.update("jax_compilation_cache_dir", str(path))
@@ -90,16 +106,27 @@ class CompileStats:
     compiles: int
     seconds: float
     cache_hits: int
+    traces: int = 0  # jaxpr tracings (a jit's first call per shape; eager ops' too)
+    lowerings: int = 0  # jaxpr -> MLIR lowerings
+    trace_seconds: float = 0.0  # tracing + lowering
 
 
-_counts = {"compiles": 0, "seconds": 0.0, "cache_hits": 0}
+_counts = {"compiles": 0, "seconds": 0.0, "cache_hits": 0, "traces": 0, "lowerings": 0,
+           "trace_seconds": 0.0}  # fmt: skip
+_traced: dict[str, int] = {}
 _installed = False
 
 
-def _on_duration(event: str, duration: float, **_: object) -> None:
+def _on_duration(event: str, duration: float, **kw: object) -> None:
     if event == BACKEND_COMPILE_EVENT:
         _counts["compiles"] += 1
         _counts["seconds"] += float(duration)
+    elif event == TRACE_EVENT or event == LOWER_EVENT:
+        _counts["traces" if event == TRACE_EVENT else "lowerings"] += 1
+        _counts["trace_seconds"] += float(duration)
+        if event == TRACE_EVENT:
+            name = str(kw.get("fun_name", "?"))
+            _traced[name] = _traced.get(name, 0) + 1
 
 
 def _on_event(event: str, **_: object) -> None:
@@ -119,4 +146,14 @@ def install_counter() -> None:
 
 def stats() -> CompileStats:
     install_counter()
-    return CompileStats(_counts["compiles"], _counts["seconds"], _counts["cache_hits"])
+    c = _counts
+    return CompileStats(
+        c["compiles"], c["seconds"], c["cache_hits"], c["traces"], c["lowerings"],
+        c["trace_seconds"],
+    )  # fmt: skip
+
+
+def traced() -> dict[str, int]:
+    """Tracings of this process per function name (e.g. 'step', 'score')."""
+    install_counter()
+    return dict(_traced)

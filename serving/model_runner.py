@@ -203,6 +203,7 @@ class ModelRunner:
         )
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
+        self._score_cached = False  # score_fn behind the executable cache yet (score_step)
         if sharded is None:  # the plan decides (jdet/plan.py `Plan.sharded`)
             from jdet.plan import Plan
 
@@ -224,16 +225,43 @@ class ModelRunner:
             self.kv = init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype)
             self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
             self.token_sharding = SingleDeviceSharding(jax.devices()[0])
+        self._mesh = rt.mesh if sharded and step_fn is None else None
         from serving.logits_rows import LogitsRows
 
         # per-request logits transforms and structured output (serving/logits_rows.py)
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
+        self.tp = tp
+        if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
+            self.step_fn = self._exec_cached(self.step_fn, "step")
 
     def score_step(self) -> Callable:
         """The teacher-forced score function matching this runner's step."""
-        return self.score_fn or cached_step_fn(self.cfg, self.invariance, "score")
+        if not self._score_cached:
+            fn = self.score_fn or cached_step_fn(self.cfg, self.invariance, "score")
+            self.score_fn, self._score_cached = self._exec_cached(fn, "score"), True
+        return self.score_fn
+
+    def _exec_cached(self, fn: Callable, kind: str) -> Callable:
+        """`fn` behind jdet's executable cache (jdet/exec_cache.py; off with the compile cache):
+        warm-up loads each shape's executable from disk instead of tracing it."""
+        from jdet import compile_cache, exec_cache
+
+        static: dict[str, Any] = {"cfg": repr(self.cfg), "invariance": self.invariance}
+        if self._mesh is not None:
+            name = f"sharding.tp.make_tp_{kind}"
+            devices = list(self._mesh.devices.flat)
+            static.update(tp=self.tp, mesh=[list(self._mesh.axis_names), dict(self._mesh.shape)])
+        else:
+            from jdet.ops import Ops
+
+            name = f"jdet.step.make_{kind}_fn"
+            devices = [jax.devices()[0]]
+            static["ops"] = repr(Ops(invariance=self.invariance))
+        return exec_cache.wrap(
+            fn, name=name, static=static, devices=devices, directory=compile_cache.exec_dir()
+        )
 
     # ------------------------------------------------------------------ host side
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
@@ -374,6 +402,8 @@ class ModelRunner:
         """Compile (or load from the persistent cache) `kind` ("step" or "score") for every shape
         of the set, running each once on a junk batch that writes nothing: safe at any time.
         Shows a tqdm bar naming shape k of n and the seconds taken. Returns the seconds."""
+        from jdet import exec_cache
+
         shapes = self.shapes.all()
         fn = self.score_step() if kind == "score" else self.step_fn
         bar = None
@@ -388,6 +418,9 @@ class ModelRunner:
                     break
                 t0 = time.perf_counter()
                 batch, extra = self.warmup_batch(shape, kind)
+                if kind == "step":
+                    batch = self.place_tokens(batch)
+                exec_cache.prepare(fn, self.params, self.kv, batch, extra)  # load, or compile
                 if kind == "step":
                     out = self.dispatch(batch, extra)
                 else:
@@ -414,11 +447,15 @@ class ModelRunner:
         Host token ids go to the device placed like a step's sampled tokens, which an ahead
         step (`prepare_ahead`) takes as its input: one placement, so one executable per shape
         whichever way the tokens came (a host array and a device array would be two)."""
+        self.kv, out = self.step_fn(self.params, self.kv, self.place_tokens(batch), sampling)
+        return out
+
+    def place_tokens(self, batch: Any) -> Any:
+        """`batch` with host token ids on the device, placed like a step's sampled tokens."""
         if isinstance(batch.token_ids, np.ndarray):
             tok = jax.device_put(batch.token_ids, self.token_sharding)
             batch = dataclasses.replace(batch, token_ids=tok)
-        self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
-        return out
+        return batch
 
     @staticmethod
     def fetch(out: Any, num_rows: int, want_top: bool) -> dict[str, np.ndarray]:

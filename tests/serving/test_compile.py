@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -149,7 +150,7 @@ _RUN = r"""
 import json, sys
 import numpy as np
 import jdet
-from jdet import compile_cache
+from jdet import compile_cache, exec_cache
 cache = sys.argv[2] if sys.argv[2] != "off" else False
 llm = jdet.LLM(jdet.load(sys.argv[1], dtype="float32"), invariance="tp", max_num_batched_tokens=16,
                max_num_seqs=4, max_model_len=48, page_size=8, min_pages_bucket=6,
@@ -164,7 +165,10 @@ def bits(seed):
 res = bits(5)
 res["score"] = np.asarray(llm.score([[5, 6, 7, 8, 9, 1, 2]])[0], np.float32).tobytes().hex()
 s = compile_cache.stats()
-res.update(compiles=s.compiles, hits=s.cache_hits, other_seed=bits(6))
+res.update(compiles=s.compiles, hits=s.cache_hits, traced=compile_cache.traced(),
+           exec=exec_cache.stats())
+if sys.argv[3] == "control":
+    res["other_seed"] = bits(6)
 print(json.dumps(res))
 """
 
@@ -172,24 +176,44 @@ print(json.dumps(res))
 def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     serving_model_dir, tmp_path
 ):
+    """Three starts: cold (empty caches), off (no cache at all; run beside the cold one: both
+    compile), warm (the caches the cold one wrote; jdet's executable cache skips tracing). The
+    warm start finds its score entry corrupt: it falls back to a compile, with a warning."""
     cache = tmp_path / "xla"
 
-    def run(setting: str) -> dict:
+    def start(setting: str, control: bool = False) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        p = subprocess.run(
-            [sys.executable, "-c", _RUN, str(serving_model_dir), setting],
-            env=env, capture_output=True, text=True, timeout=600, check=False,
+        env.pop("JDET_EXEC_CACHE", None)
+        args = [str(serving_model_dir), setting, "control" if control else "-"]
+        return subprocess.Popen(
+            [sys.executable, "-c", _RUN, *args], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads(p.stdout.strip().splitlines()[-1])
 
-    cold = run(str(cache))
+    def result(p: subprocess.Popen) -> dict:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
+
+    cold_p, off_p = start(str(cache), control=True), start("off")
+    cold, off = result(cold_p), result(off_p)
     assert any(cache.iterdir()), "the first process wrote no cache entries"
-    warm = run(str(cache))
-    off = run("off")
+    entries = {}
+    for f in (cache / "exec").glob("*.jdetexe"):
+        entries[json.loads(pickle.loads(f.read_bytes())["parts"])["fn"].split("_")[-1]] = f
+    assert sorted(entries) == ["score", "step"]  # one shape each in this set
+    entries["score"].write_bytes(b"corrupt")
+    warm = result(start(str(cache)))
     assert cold["hits"] == 0 and off["hits"] == 0
-    # the restart compiled nothing: every executable came from the cache
+    # the restart compiled nothing: every executable came from a cache
     assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
+    # ... and traced no step: its executable came from jdet's cache (the cold start traced it)
+    assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == 2
+    assert "step" not in warm["traced"] and warm["exec"]["loads"] == 1
+    # the corrupt score entry: a warning, a compile (an XLA cache hit), the entry rewritten
+    assert warm["exec"]["errors"] == 1 and warm["exec"]["writes"] == 1
+    assert "jdet exec cache: could not use" in warm["stderr"] and warm["traced"]["score"] == 1
+    assert [off["exec"][k] for k in ("loads", "writes", "errors")] == [0, 0, 0]
     for other in (warm, off):
         assert other["tokens"] == cold["tokens"]
         assert other["logprobs"] == cold["logprobs"] and other["score"] == cold["score"]

@@ -1,0 +1,182 @@
+"""jdet's executable cache (jdet/exec_cache.py) on a toy jitted step: a second process's warm-up
+loads the executable instead of tracing it, with the same bits; a corrupt entry falls back to a
+compile with a warning; the key moves with every input that changes the executable.
+
+The two-process test on the model is tests/serving/test_compile.py (restart test)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdet import compile_cache, exec_cache
+
+
+def toy_step(params, kv, batch, extra):
+    """A step-shaped function: the 'cache' is donated and updated, a sum is taken over rows."""
+    kv = {"k": kv["k"] + batch["x"][:, None] * params["w"][0]}
+    return kv, (jnp.tanh(kv["k"] @ params["w"]) * extra).sum(axis=0)
+
+
+def fresh_jit():
+    # a new jit object each time: nothing in memory carries over, as in a new process
+    return jax.jit(functools.partial(toy_step), donate_argnums=(1,))
+
+
+def args(n=8, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.standard_normal((d, d)), jnp.float32)}
+    kv = {"k": jnp.asarray(rng.standard_normal((n, d)), jnp.float32)}
+    batch = {"x": rng.standard_normal(n).astype(np.float32)}
+    return params, kv, batch, rng.standard_normal(d).astype(np.float32)
+
+
+def wrapped(directory, name="toy", static=None):
+    return exec_cache.wrap(
+        fresh_jit(), name=name, static=static or {"cfg": "toy"}, devices=jax.devices()[:1],
+        directory=directory,
+    )  # fmt: skip
+
+
+def traces() -> int:
+    return compile_cache.traced().get("toy_step", 0)
+
+
+def test_a_second_start_loads_the_executable_without_tracing(tmp_path):
+    compile_cache.install_counter()
+    _, plain = fresh_jit()(*args())
+    first = wrapped(tmp_path)
+    assert isinstance(first, exec_cache.CachedFn)
+    assert first.warm(*args()) == "compiled"
+    assert len(list(tmp_path.glob("*" + exec_cache.SUFFIX))) == 1
+    _, want = first(*args())
+
+    before, loads = traces(), exec_cache.stats()["loads"]
+    second = wrapped(tmp_path)  # a new function object: what a restart has
+    assert second.warm(*args()) == "loaded"
+    assert traces() == before and exec_cache.stats()["loads"] == loads + 1
+    _, got = second(*args())
+    assert traces() == before  # the warmed shape runs the loaded executable, no jit
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+
+    # Negative control: the trace counter sees a start that finds no entry.
+    third = wrapped(tmp_path / "elsewhere")
+    assert third.warm(*args()) == "compiled" and traces() == before + 1
+    # ... and a shape nobody warmed takes the plain jit (traced)
+    second(*args(n=4))
+    assert traces() == before + 2
+
+
+def test_a_corrupt_entry_falls_back_to_a_compile_with_a_warning(tmp_path, caplog):
+    wrapped(tmp_path).warm(*args())
+    (entry,) = tmp_path.glob("*" + exec_cache.SUFFIX)
+    for junk in (b"not a pickle", entry.read_bytes()[: entry.stat().st_size // 2]):
+        entry.write_bytes(junk)
+        fn = wrapped(tmp_path)
+        errors = exec_cache.stats()["errors"]
+        with caplog.at_level(logging.WARNING, logger="jdet.exec_cache"):
+            assert fn.warm(*args()) == "compiled"
+        assert exec_cache.stats()["errors"] == errors + 1
+        assert "could not use" in caplog.text and entry.name in caplog.text
+        caplog.clear()
+        _, got = fn(*args())
+        _, want = fresh_jit()(*args())
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert wrapped(tmp_path).warm(*args()) == "loaded"  # the entry was rewritten whole
+
+
+def test_the_key_changes_when_anything_that_changes_the_executable_does(monkeypatch):
+    dev = jax.devices()[:1]
+
+    def key(name="toy", static=None, a=None, devices=dev):
+        parts = exec_cache.key_parts(name, static or {"cfg": "toy"}, devices, a or args())
+        return exec_cache.entry_key(parts)
+
+    base = key()
+    assert key() == base  # stable
+    p, kv, b, e = args()
+    changed = {
+        "function": key(name="other"),
+        "config": key(static={"cfg": "toy2"}),
+        "batch shape": key(a=args(n=4)),
+        "cache shape": key(a=(p, {"k": jnp.zeros((8, 17), jnp.float32)}, b, e)),
+        "params dtype": key(a=({"w": p["w"].astype(jnp.bfloat16)}, kv, b, e)),
+        "batch dtype": key(a=(p, kv, {"x": b["x"].astype(np.float16)}, e)),
+        "tree": key(a=(p, kv, {"x": b["x"], "y": b["x"]}, e)),
+    }
+    if len(jax.devices()) > 1:
+        other = jax.devices()[1]
+        changed["devices"] = key(devices=[other])
+        changed["placement"] = key(a=(jax.device_put(p, other), kv, b, e))
+    with monkeypatch.context() as m:
+        m.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+        changed["XLA_FLAGS"] = key()
+    with monkeypatch.context() as m:
+        m.setenv("JDET_PALLAS_INTERPRET", "1")
+        changed["a JDET_ variable"] = key()
+    with jax.default_matmul_precision("highest"):
+        changed["jax config"] = key()
+    import jdet.ops
+    import jdet.version
+
+    rms = importlib.import_module("pallas_kernels.rms_norm")  # the package's name is the function
+
+    with monkeypatch.context() as m:
+        m.setattr(rms, "rms_norm", lambda x, w, eps: x)  # a patched kernel (tests do this)
+        changed["patched kernel"] = key()
+    with monkeypatch.context() as m:
+        m.setattr(jdet.ops.Ops, "attention", lambda self, *a: None)  # a patched method
+        changed["patched method"] = key()
+    with monkeypatch.context() as m:
+        m.setattr(jdet.version, "__version__", "9.9.9")
+        changed["jdet version"] = key()
+    with monkeypatch.context() as m:
+        m.setattr(exec_cache, "source_hash", lambda: "edited")
+        changed["source files"] = key()
+    for what, k in changed.items():
+        assert k != base, f"the key ignores the {what}"
+    assert key() == base  # every change undone: the same key again
+
+    # What does not change the executable does not move the key (no needless misses).
+    with monkeypatch.context() as m:
+        m.setenv("JDET_CACHE_DIR", "/somewhere/else")
+        m.setenv("JDET_WARMUP", "0")
+        assert key() == base
+    assert key(a=args(seed=1)) == base  # other values of the same shapes (new weights)
+
+
+def test_off_with_the_compile_cache_or_its_own_switch(tmp_path, monkeypatch):
+    fn = fresh_jit()
+    assert exec_cache.wrap(fn, name="t", static={}, devices=[], directory=None) is fn
+    monkeypatch.setenv("JDET_EXEC_CACHE", "0")
+    assert exec_cache.wrap(fn, name="t", static={}, devices=[], directory=tmp_path) is fn
+    monkeypatch.delenv("JDET_EXEC_CACHE")
+    assert exec_cache.prepare(fn, *args()) is None  # warm-up's hook ignores a plain jit
+    prev = jax.config.jax_compilation_cache_dir
+    try:
+        assert compile_cache.enable(tmp_path / "xla") == tmp_path / "xla"
+        assert compile_cache.exec_dir() == tmp_path / "xla" / "exec"
+        compile_cache.enable(False)
+        assert compile_cache.exec_dir() is None
+    finally:
+        compile_cache.enable(prev or True)
+
+
+def test_new_weights_keep_the_executable_other_dtypes_do_not(tmp_path):
+    fn = wrapped(tmp_path)
+    p, kv, b, e = args()
+    compile_cache.install_counter()
+    fn.warm(p, kv, b, e)
+    new = {"w": p["w"] + 1}  # new weights, same shapes: still the cached executable
+    before = traces()
+    fn(new, *args()[1:])
+    assert traces() == before
+    wide = {"w": jnp.zeros((16, 16), jnp.bfloat16)}  # another dtype: the plain jit
+    fn(wide, *args()[1:])
+    assert traces() == before + 1
