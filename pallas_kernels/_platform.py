@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 @functools.cache
@@ -70,3 +72,16 @@ def is_hopper() -> bool:
         return False
     kind = jax.devices()[0].device_kind.lower()
     return any(tag in kind for tag in ("h100", "h200", "h800", "gh200"))
+
+
+# A 16-bit float KV cache is stored as uint16 on a CPU (jdet/kv_cache.py `storage_dtype`).
+def kv_compute_dtype(cache_dtype: Any, query_dtype: Any) -> Any:
+    """The float type a cache's values are: its own, or for a uint16-stored one the query's."""
+    return jnp.dtype(query_dtype) if jnp.dtype(cache_dtype) == jnp.uint16 else cache_dtype
+
+
+def as_float(x: jax.Array, dtype: Any) -> jax.Array:
+    """Cache values (or a gathered part of them) as `dtype`: a bitcast of a uint16-stored one."""
+    if x.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return x

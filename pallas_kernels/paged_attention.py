@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform
+from pallas_kernels._platform import as_float, kv_compute_dtype
 
 # Rows (query tokens x query heads of one KV group) per program: the MMA's M. Fixed for every call,
 # so a row's arithmetic never depends on how many tokens the step holds.
@@ -350,6 +351,8 @@ def paged_attention(
     parameters only concern the Pallas kernel.
     """
     if _platform.resolve(backend, "paged_attention") == "pallas":
+        if k_cache.dtype == jnp.uint16:  # CPU storage of a 16-bit cache (jdet/kv_cache.py)
+            k_cache, v_cache = as_float(k_cache, q.dtype), as_float(v_cache, q.dtype)
         return _paged_attention_pallas(
             q, k_cache, v_cache, page_table, context_lens, query_start, positions,
             scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
@@ -665,10 +668,11 @@ def paged_attention_xla(
     stacked [L, K, P, B, E] cache, gathered from in place.
     """
     del partition_size
-    if layer is not None:
-        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    if layer is None:  # gathered from in place with `layer` (a slice would copy the layer)
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.int32(0)
+    kv_dtype = kv_compute_dtype(k_cache.dtype, q.dtype)  # uint16: the CPU storage, as q
     t, h, e = q.shape
-    kh, _, b, _ = k_cache.shape
+    _, kh, num_pages, b, _ = k_cache.shape
     g = h // kh
     s, pmax = page_table.shape
     c = pmax * b
@@ -685,9 +689,11 @@ def paged_attention_xla(
 
     def one(args):
         qq, ss, ll = args  # [bl, K, G, E], [bl], [bl]
-        pages = jnp.clip(page_table[ss], 0, k_cache.shape[1] - 1)  # [bl, Pmax]
-        k = k_cache[:, pages].reshape(kh, block, c, e)
-        v = v_cache[:, pages].reshape(kh, block, c, e)
+        pages = jnp.clip(page_table[ss], 0, num_pages - 1)  # [bl, Pmax]
+        # c[layer, :, pages] is [bl, Pmax, K, B, E]: kv heads first again
+        k = as_float(jnp.moveaxis(k_cache[layer, :, pages], 2, 0), kv_dtype)
+        v = as_float(jnp.moveaxis(v_cache[layer, :, pages], 2, 0), kv_dtype)
+        k, v = k.reshape(kh, block, c, e), v.reshape(kh, block, c, e)
         sc = jnp.einsum("bkge,kbce->bkgc", qq, k, precision=prec,
                         preferred_element_type=jnp.float32) * scale  # fmt: skip
         mask = jnp.arange(c)[None, :] < ll[:, None]

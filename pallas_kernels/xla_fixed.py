@@ -58,6 +58,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._platform import as_float, kv_compute_dtype
+
 # Rows of every matmul dot. Fixed: it is part of the plan (changing it may change bits).
 BM = 8
 # Columns of every matmul dot (a TP column shard narrower than BN is zero-padded to BN).
@@ -210,13 +212,18 @@ def paged_attention(
 ) -> jax.Array:
     """Causal paged attention of q[T, H, E] (plan in the module docstring); padding rows -> 0.
 
-    k_cache/v_cache [K, P, B, E], or the stacked [L, K, P, B, E] cache with `layer`. The caller
+    k_cache/v_cache [K, P, B, E], or the stacked [L, K, P, B, E] cache with `layer`; a uint16
+    cache holds bf16/f16 bits of q's dtype (jdet/kv_cache.py: the CPU storage). The caller
     (`paged_attention.paged_attention`) has validated shapes and chosen block_kv."""
-    if layer is not None:
-        k_cache = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-        v_cache = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    # The stacked cache is gathered from in place (`layer` is part of each gather's index):
+    # slicing the layer out first copied the layer's whole page pool in every layer of every
+    # step (measured: ~70% of a decode step with a 4096-page pool).
+    stacked = layer is not None
+    if not stacked:
+        k_cache, v_cache = k_cache[None], v_cache[None]
+        layer = jnp.int32(0)
     t, h, e = q.shape
-    kh, num_pages, page, _ = k_cache.shape
+    _, kh, num_pages, page, _ = k_cache.shape
     g = h // kh
     s, pmax = page_table.shape
     ppb = block_kv // page  # pages per block
@@ -233,18 +240,26 @@ def paged_attention(
     precision = lax.Precision.HIGHEST if jnp.dtype(q.dtype).itemsize > 2 else None
     col = jnp.arange(block_kv, dtype=jnp.int32)
 
+    kv_dtype = kv_compute_dtype(k_cache.dtype, q.dtype)
+
     def _gather_pages(cache: jax.Array, blk: jax.Array) -> jax.Array:
-        """cache[:, blk], gathered as uint16 for a 16-bit float cache: XLA CPU has no bf16
-        gather and otherwise upcasts the whole layer (every page of the pool) to f32 in every
-        layer of every step. A bitcast moves the same bits, so the result is unchanged."""
+        """cache[:, blk] as kv_dtype. A uint16-stored cache (jdet/kv_cache.py) is gathered as
+        such and only the gathered pages are bitcast. A bf16/f16 cache is gathered as uint16
+        too (XLA CPU has no bf16 gather and otherwise upcasts the whole layer to f32), at the
+        cost of bitcasting the pool. Bitcasts move the same bits: the result is unchanged."""
+        def take(c: jax.Array) -> jax.Array:  # c[layer, :, blk] -> [K, TB, ppb, B, E]
+            return jnp.moveaxis(c[layer, :, blk], 2, 0)
+
+        if cache.dtype == jnp.uint16:
+            return as_float(take(cache), kv_dtype)
         if cache.dtype not in (jnp.bfloat16, jnp.float16):
-            return cache[:, blk]
-        bits = lax.bitcast_convert_type(cache, jnp.uint16)
-        return lax.bitcast_convert_type(bits[:, blk], cache.dtype)
+            return take(cache)
+        return lax.bitcast_convert_type(take(lax.bitcast_convert_type(cache, jnp.uint16)),
+                                        cache.dtype)  # fmt: skip
 
     def one(args):
         qq, ss, ll = args  # [TB, K, G, E], [TB], [TB]
-        qq = qq.astype(k_cache.dtype)
+        qq = qq.astype(kv_dtype)
         pages = pt[ss]  # [TB, nblk * ppb]
 
         def body(j, state):
