@@ -348,12 +348,13 @@ class CachedFn:
 
     @staticmethod
     def _sig(args: Sequence[Any]) -> Any:
-        """The in-memory lookup key: everything but the params (checked by identity)."""
+        """The in-memory lookup key: the tree, shapes and dtypes of all but the params (checked
+        apart). Not the placements: hashing a fresh output's sharding on every step cost more
+        than the rest, and an executable never runs on misplaced inputs (a committed array on
+        other devices is an error, a host array is placed as the executable wants); the engine's
+        placements are fixed when it is built. The disk key does cover placements."""
         leaves, tree = jax.tree_util.tree_flatten(tuple(args[1:]))
-        return tree, tuple(
-            (x.shape, x.dtype, _placement(x.sharding, x.ndim) if isinstance(x, jax.Array) else None)
-            for x in leaves
-        )
+        return tree, tuple((x.shape, x.dtype) for x in leaves)
 
     def _params_ok(self, params: Any) -> bool:
         if params is self._params:
