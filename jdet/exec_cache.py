@@ -14,6 +14,9 @@ then `os.replace`). Only warm-up reads or writes them (`prepare`); a shape met l
 plain jit. Any error loading an entry is logged as a warning and the shape is compiled the
 ordinary way (its entry rewritten); an entry whose recorded key parts differ from this process's
 is refused the same way. Like JAX's own cache, an entry is trusted code: it is unpickled.
+Size: past `JDET_EXEC_CACHE_MAX_BYTES` (default 4 GiB) a write deletes the least recently used
+entries (a load refreshes an entry's time) down to 3/4 of it, so entries of old jdet sources do
+not pile up.
 
 The key must cover everything that can change the executable, since nothing checks the HLO: a
 wrong hit would be a silent bug. So it is conservative (a change anywhere below is a miss):
@@ -63,7 +66,8 @@ CODE_PACKAGES = ("jdet", "pallas_kernels", "sharding")  # what a step's trace ru
 _NOT_TRACED = ("jdet.__main__", "jdet.api", "jdet.cli", "jdet.train", "jdet.exec_cache")
 _ENV_PREFIXES = ("XLA_", "JAX_", "JDET_")
 _ENV_EXTRA = ("LIBTPU_INIT_ARGS", "NVIDIA_TF32_OVERRIDE")
-_ENV_SKIP = ("JDET_CACHE_DIR", "JDET_WARMUP", "JDET_EXEC_CACHE")
+_ENV_SKIP = ("JDET_CACHE_DIR", "JDET_WARMUP", "JDET_EXEC_CACHE", "JDET_EXEC_CACHE_MAX_BYTES")
+MAX_BYTES = 4 << 30  # default size cap of the exec directory
 _CONFIG_SKIP = ("compilation_cache", "persistent_cache")
 
 _counts: dict[str, float] = {"loads": 0, "writes": 0, "errors": 0, "load_s": 0.0}
@@ -422,6 +426,10 @@ class CachedFn:
         )  # fmt: skip
         with _lock:
             _counts["loads"] += 1
+        try:
+            os.utime(path)  # recently used: the last to be evicted
+        except OSError:
+            pass
         return exe
 
     def _write(self, path: Path, parts: dict, exe: Any) -> None:
@@ -447,11 +455,42 @@ class CachedFn:
                 raise
             with _lock:
                 _counts["writes"] += 1
+            evict(path.parent)
         except Exception as e:  # noqa: BLE001 - the executable still serves this process
             log.warning(
                 "jdet exec cache: could not write %s (%s: %s); a restart will trace this shape",
                 path, type(e).__name__, e,
             )  # fmt: skip
+
+
+def evict(directory: Path, max_bytes: int | None = None) -> int:
+    """If the entries in `directory` exceed `max_bytes` (default `JDET_EXEC_CACHE_MAX_BYTES` or
+    4 GiB), delete the least recently used (oldest mtime) down to 3/4 of it, and temporary files
+    of writers dead for an hour. Returns how many entries were deleted."""
+    if max_bytes is None:
+        max_bytes = int(os.environ.get("JDET_EXEC_CACHE_MAX_BYTES") or MAX_BYTES)
+    now, entries = time.time(), []
+    for f in Path(directory).glob("*" + SUFFIX):
+        try:
+            st = f.stat()
+        except OSError:
+            continue  # deleted meanwhile
+        if f.name.startswith(".tmp-"):
+            if now - st.st_mtime > 3600:
+                f.unlink(missing_ok=True)
+            continue
+        entries.append((st.st_mtime, st.st_size, f))
+    total = sum(size for _, size, _ in entries)
+    if total <= max_bytes:
+        return 0
+    removed = 0
+    for _, size, f in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes * 3 // 4:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+        removed += 1
+    return removed
 
 
 def wrap(

@@ -180,3 +180,26 @@ def test_new_weights_keep_the_executable_other_dtypes_do_not(tmp_path):
     wide = {"w": jnp.zeros((16, 16), jnp.bfloat16)}  # another dtype: the plain jit
     fn(wide, *args()[1:])
     assert traces() == before + 1
+
+
+def test_the_directory_is_capped_least_recently_used_first(tmp_path, monkeypatch):
+    import os
+
+    entry = {}
+    for age, n in enumerate((2, 4, 8)):
+        before = set(tmp_path.glob("*" + exec_cache.SUFFIX))
+        wrapped(tmp_path).warm(*args(n=n))
+        (entry[n],) = set(tmp_path.glob("*" + exec_cache.SUFFIX)) - before
+        os.utime(entry[n], (1000 + age, 1000 + age))  # n=2 the oldest, then 4, then 8
+    assert wrapped(tmp_path).warm(*args(n=2)) == "loaded"  # n=2 used again: now the newest
+    size = {n: f.stat().st_size for n, f in entry.items()}
+    assert exec_cache.evict(tmp_path, max_bytes=sum(size.values())) == 0  # at the cap: kept
+    cap = sum(size.values()) - 1  # past it: down to 3/4, least recently used first
+    assert exec_cache.evict(tmp_path, max_bytes=cap) >= 1
+    assert not entry[4].exists() and entry[2].exists()
+    left = [n for n, f in entry.items() if f.exists()]
+    assert sum(size[n] for n in left) <= cap * 3 // 4
+    # a write past the cap trims by itself
+    monkeypatch.setenv("JDET_EXEC_CACHE_MAX_BYTES", "1")
+    wrapped(tmp_path).warm(*args(n=16))
+    assert list(tmp_path.glob("*" + exec_cache.SUFFIX)) == []
