@@ -278,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             print(res[name + "_error"], file=sys.stderr)
             break
         res[name] = json.loads(line[-1][len("RESULT ") :])
+        warned = [x for x in p.stderr.splitlines() if "jdet exec cache" in x]
+        res[name]["exec_cache_warnings"] = warned[:5]  # e.g. a JAX that cannot serialize
+        for x in warned[:5]:
+            print(f"{name}: {x}", flush=True)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "padding"}),
               flush=True)  # fmt: skip
         with open(os.path.join(a.out, "ready_bench.json"), "w") as fh:
