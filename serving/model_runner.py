@@ -119,6 +119,9 @@ class ShapeSet:
         return [(t, self.seqs(t), p) for p in self.pages for t in self.tokens]
 
 
+CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)
+
+
 def default_num_pages(
     cfg: Any,
     page_size: int,
@@ -128,7 +131,9 @@ def default_num_pages(
     max_num_seqs: int,
     memory_fraction: float = 0.85,
 ) -> int:
-    """Pages that fit in the free device memory (GPU), or enough for a full batch (CPU)."""
+    """Pages that fit in the free device memory (GPU), or on a CPU enough for a full batch up
+    to CPU_MAX_PAGES (16k tokens at page 16: every engine allocates and zeroes its pool, ~0.5 s
+    for the embedded model's former 4096-page default on the 2-core machine)."""
     from jdet.kv_cache import kv_bytes_per_token
 
     page_bytes = kv_bytes_per_token(cfg, dtype) * page_size
@@ -144,7 +149,8 @@ def default_num_pages(
         per_page = cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim
         cap = (2**31 - 1) // per_page
         return max(cdiv(max_model_len, page_size), min(free // page_bytes, cap))
-    return min(cdiv(max_model_len, page_size) * max_num_seqs, 4096)
+    return max(cdiv(max_model_len, page_size), min(cdiv(max_model_len, page_size) * max_num_seqs,
+                                                   CPU_MAX_PAGES))  # fmt: skip
 
 
 _STEP_FNS: dict[tuple[Any, str, str], Callable] = {}
