@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "serving.server"] + ([a.model] if a.model else []) + [
+    cmd = [sys.executable, "-m", "jdet", "serve"] + ([a.model] if a.model else []) + [
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "soak",
         "--invariance", a.invariance, "--max-model-len", "512", "--max-num-seqs", "32",
         "--log-level", "warning", *a.server_arg,

@@ -13,8 +13,8 @@ from jdet.version import __version__
 
 
 def serve(model: Model | str | None = None, **kwargs: object) -> None:
-    """Blocking OpenAI-compatible server (see serving/server.py for the settings)."""
-    from serving.server import serve as _serve
+    """Blocking OpenAI-compatible server (settings: jdet/settings.py; serving/launch.py)."""
+    from serving.launch import serve as _serve
 
     _serve(model, **kwargs)
 

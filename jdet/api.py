@@ -7,6 +7,7 @@ generation, scoring and the server share the scheduler, the prefix cache and the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from jdet.ops import check_mode
 from jdet.plan import Plan
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
+from jdet.settings import EngineConfig
 from jdet.spec_config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
@@ -31,37 +33,25 @@ class LLM:
     def __init__(
         self,
         model: Model | str | Path | None = None,
+        config: EngineConfig | None = None,
         *,
-        tp: int = 1,
-        invariance: str = "tp",
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        enable_prefix_caching: bool = True,
-        scheduling: str = "stall_free",
-        dtype: str = "bfloat16",
-        compile_cache: bool | str | Path = True,
         warmup: bool | None = None,
-        min_tokens_bucket: int = 16,
-        min_seqs_bucket: int = 1,
-        min_pages_bucket: int = 32,
-        async_scheduling: bool = False,
         speculative: SpeculativeConfig | dict | None = None,
+        **settings: Any,
     ) -> None:
-        """The settings are those of `jdet.settings.EngineConfig` (help text there), plus `warmup`.
-        `min_*_bucket`: the compiled step shapes (serving/model_runner.py `ShapeSet`).
-        `compile_cache`: JAX's persistent compilation cache (True: `$JDET_CACHE_DIR` or
-        ~/.cache/jdet/xla; a directory; False: off). `warmup`: compile every step shape on the
-        first generate/stream (and every score shape on the first score), with a progress bar,
-        so no call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes
-        then compile when first met). `async_scheduling`: dispatch each steady decode step
-        before the previous one's tokens reach the host (same bits; serving/engine.py).
-        `speculative`: a `jdet.SpeculativeConfig` (or dict of its fields) to draft and verify
-        several tokens per step; with verify="exact" the outputs are bitwise those without it
-        (serving/speculative.py)."""
-        self.model = model if isinstance(model, Model) else load(model, dtype=dtype)
+        """`config`: the engine settings, a `jdet.settings.EngineConfig` (every field, default and
+        help text there: tp, invariance, max_num_batched_tokens, max_num_seqs, max_model_len,
+        page_size, num_pages, enable_prefix_caching, scheduling, dtype, compile_cache,
+        min_*_bucket, async_scheduling), passed whole to the engine; keyword `settings` replace
+        single fields (`LLM(model, tp=2)`). `warmup`: compile every step shape on the first
+        generate/stream (and every score shape on the first score), with a progress bar, so no
+        call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes then
+        compile when first met). `speculative`: a `jdet.SpeculativeConfig` (or dict of its
+        fields) to draft and verify several tokens per step; with verify="exact" the outputs are
+        bitwise those without it (serving/speculative.py)."""
+        config = dataclasses.replace(config or EngineConfig(), **settings)
+        tp, invariance, max_model_len = config.tp, config.invariance, config.max_model_len
+        self.model = model if isinstance(model, Model) else load(model, dtype=config.dtype)
         self.cfg = self.model.cfg
         self.invariance = check_mode(invariance)
         self.plan = Plan(self.cfg, self.invariance, tp)  # the reduction plan, validated once
@@ -80,29 +70,13 @@ class LLM:
 
         # The engine validates the remaining settings and allocates the KV cache now, so a bad
         # configuration fails here rather than at the first request.
-        self.engine = Engine(
-            self.model,
-            invariance=self.invariance,
-            tp=tp,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            num_pages=num_pages,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling=scheduling,
-            compile_cache=compile_cache,
-            min_tokens_bucket=min_tokens_bucket,
-            min_seqs_bucket=min_seqs_bucket,
-            min_pages_bucket=min_pages_bucket,
-            async_scheduling=async_scheduling,
-            speculative=self.speculative,
-        )
+        self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        self.engine = Engine(self.model, self.config, speculative=self.speculative)
         if warmup is None:
             warmup = os.environ.get("JDET_WARMUP", "1") != "0"
         self.warmup = warmup
         self.tp = tp
-        self.page_size = page_size
+        self.page_size = config.page_size
         self.max_model_len = self.engine.max_model_len
 
     # -- input handling -----------------------------------------------------------------------

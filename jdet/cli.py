@@ -1,4 +1,4 @@
-"""`jdet generate | serve` (also `python -m jdet ...`; `python -m serving.server` is `jdet serve`).
+"""`jdet generate | serve` (also `python -m jdet ...`).
 
 The engine and server flags are generated from `jdet.settings.EngineConfig` / `ServerConfig`
 (names, defaults, choices, help), so every entry point takes the same settings. Benchmarks live
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "generate":
             return _generate(a, engine, spec)
         if a.cmd == "serve":
-            from serving.server import serve
+            from serving.launch import serve
 
             kw = dataclasses.asdict(engine)
             kw["speculative"] = spec
@@ -64,7 +64,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
     # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
-    llm = jdet.LLM(a.model, warmup=False, speculative=spec, **dataclasses.asdict(engine))
+    llm = jdet.LLM(a.model, engine, warmup=False, speculative=spec)
     sp = jdet.SamplingParams(
         temperature=a.temperature,
         top_p=a.top_p,

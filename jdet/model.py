@@ -67,12 +67,12 @@ def layer_forward(
         q = ops.matmul(h, lp["wq"])
         k = ops.matmul(h, lp["wk"])
         v = ops.matmul(h, lp["wv"])
-    if "bq" in lp:
+    if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(T, -1, E)
     k = k.reshape(T, -1, E)
     v = v.reshape(T, -1, E)
-    if "q_norm" in lp:
+    if cfg.qk_norm:
         q = _head_norm(ops, q, lp["q_norm"], eps)
         k = _head_norm(ops, k, lp["k_norm"], eps)
     q = apply_rope(q, cos, sin)
@@ -83,7 +83,7 @@ def layer_forward(
     }
     attn = ops.attention(q, kv, layer, batch, scale=E**-0.5)
     o = ops.row_matmul(attn.reshape(T, -1), lp["wo"])
-    if "bo" in lp:
+    if cfg.o_bias:
         o = o + lp["bo"]
     x = x + o
     h = ops.rms_norm(x, lp["mlp_norm"], eps)

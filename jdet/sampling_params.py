@@ -7,9 +7,10 @@ import dataclasses
 import numpy as np
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. Validated at construction: bad values never reach the engine."""
+    """How to sample one request. Validated at construction: bad values never reach the engine.
+    Frozen: a request's settings cannot change after the check (use dataclasses.replace)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -46,7 +47,7 @@ class SamplingParams:
         from serving.sequence import SamplingOptions
 
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", [self.stop])
         SamplingOptions.from_any(self).check()
 
 

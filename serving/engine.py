@@ -108,35 +108,33 @@ class Engine:
     def __init__(
         self,
         model: Any,
+        config: Any = None,
         *,
-        invariance: str = "tp",
-        tp: int = 1,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        enable_prefix_caching: bool = True,
-        scheduling: str = "stall_free",
-        watermark: float = 0.01,
-        min_tokens_bucket: int = 16,
-        min_seqs_bucket: int = 1,
-        min_pages_bucket: int = 32,
         step_fn: Any = None,
         sharded: bool | None = None,
+        watermark: float = 0.01,
         keep_raw_metrics: bool = False,
-        compile_cache: bool | str | Any = True,
-        async_scheduling: bool = False,
         speculative: Any = None,
+        **settings: Any,
     ) -> None:
-        """`min_*_bucket` shape the compiled step shapes (serving/model_runner.py `ShapeSet`);
-        `compile_cache` is JAX's persistent compilation cache: True (`$JDET_CACHE_DIR` or
-        ~/.cache/jdet/xla), a directory, or False (jdet/compile_cache.py). `speculative`: a
-        `jdet.SpeculativeConfig` (or dict) for speculative decoding (serving/speculative.py)."""
+        """`config`: the engine's settings, a `jdet.settings.EngineConfig` passed whole (fields,
+        defaults and help text there; `dtype` is the loader's, unused here); keyword `settings`
+        replace single fields of it (`Engine(model, max_num_seqs=8)`). `speculative`: a
+        `jdet.SpeculativeConfig` (or dict) for speculative decoding (serving/speculative.py).
+        `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`: for tests and benchmarks."""
+        import dataclasses
+
         from jdet import compile_cache as cc
         from jdet.ops import check_mode
         from jdet.plan import Plan
+        from jdet.settings import EngineConfig
         from jdet.spec_config import SpeculativeConfig
+
+        self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
+        invariance, tp, page_size = config.invariance, config.tp, config.page_size
+        max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        max_model_len, num_pages = config.max_model_len, config.num_pages
+        compile_cache, async_scheduling = config.compile_cache, config.async_scheduling
 
         self.compile_cache_dir = cc.enable(compile_cache)
         cc.install_counter()
@@ -184,13 +182,14 @@ class Engine:
             self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(
-            num_pages, page_size, enable_prefix_caching=enable_prefix_caching, watermark=watermark
-        )
+            num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
+            watermark=watermark,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            policy=scheduling,
+            policy=config.scheduling,
         )
         self.runner = ModelRunner(
             model,
@@ -200,9 +199,9 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
-            min_tokens_bucket=min_tokens_bucket,
-            min_seqs_bucket=min_seqs_bucket,
-            min_pages_bucket=min_pages_bucket,
+            min_tokens_bucket=config.min_tokens_bucket,
+            min_seqs_bucket=config.min_seqs_bucket,
+            min_pages_bucket=config.min_pages_bucket,
             step_fn=step_fn,
             tp=tp,
             sharded=sharded,

@@ -1,10 +1,9 @@
-"""OpenAI-compatible HTTP server: FastAPI + uvicorn around one engine driven by one thread.
+"""OpenAI-compatible HTTP server: the FastAPI app (`build_app`) around one engine.
 
-Why one engine thread: the engine is single-threaded by design (scheduler, pages, device step);
-HTTP handlers on the asyncio loop validate and tokenise, then hand requests over a queue; the
-engine thread steps continuously and posts each output back to the request's asyncio queue with
-`call_soon_threadsafe`. A handler that goes away (client disconnect, cancellation) sends an abort,
-which releases the request's pages on the engine thread before its next step.
+Where the parts live: serving/driver.py runs the engine on its own thread (why one thread, and
+what a failed step does); serving/responses.py holds the streaming and collecting loop both
+endpoints share (each endpoint writes only its choice format); serving/auth.py the API key;
+serving/launch.py `serve` (load, engine, uvicorn); jdet/settings.py the settings.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream=true`, ending in
 `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text). Binds 127.0.0.1 by default.
@@ -22,24 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import itertools
-import json
 import logging
-import os
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.engine import CompletionOutput, Engine, EngineBroken, EngineStepError, RequestOutput
+from serving.auth import ApiKeyMiddleware
+from serving.driver import ServerState
+from serving.engine import Engine, RequestOutput
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,214 +43,26 @@ from serving.protocol import (
     parse,
     sampling_options,
 )
+from serving.responses import (
+    ClientGone,
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    decode_text,
+    guarded,
+    results,
+    sse_stream,
+    stream_finish,
+    usage,
+)
 from serving.sequence import SamplingOptions
 
 log = logging.getLogger("jdet.server")
 
-DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler asks whether its client is still there
 MAX_BODY_BYTES = 4 << 20  # default request body limit (--max-body-bytes)
-EXIT_ENGINE_BROKEN = 70  # process exit status when the engine cannot be trusted after a failure
-
-
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected; its requests were aborted."""
-
-
-class EngineDriver:
-    """Runs `engine.step()` on a background thread; thread-safe submit/abort from asyncio."""
-
-    def __init__(self, engine: Engine, warmup: bool = True) -> None:
-        self.engine = engine
-        self.warmup = warmup
-        self.ready = threading.Event()  # set once every step shape is compiled (/health: 200)
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.wakeup = threading.Event()
-        self.routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.stopping = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="jdet-engine", daemon=True)
-        self.thread.start()
-
-    def submit(self, rid: str, ids: list[int], opts: SamplingOptions, q: asyncio.Queue) -> None:
-        self.routes[rid] = (asyncio.get_running_loop(), q)
-        self.commands.put(("add", rid, ids, opts))
-        self.wakeup.set()
-
-    def abort(self, rid: str) -> None:
-        self.commands.put(("abort", rid, None, None))
-        self.wakeup.set()
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.wakeup.set()
-        self.thread.join(timeout=10)
-
-    def _post(self, rid: str, item: Any) -> None:
-        route = self.routes.get(rid)
-        if route is not None:
-            loop, q = route
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-    def _warm_up(self) -> None:
-        """Compile every step shape before the first step (requests that arrive meanwhile wait in
-        the queue), so no request in flight ever stalls on a compile."""
-        eng = self.engine
-        if self.warmup:
-            n = len(eng.runner.shapes.all())
-            log.info("warming up: compiling %d step shapes", n)
-            dt = eng.warmup("step", progress=True, should_stop=lambda: self.stopping)
-            eng.metrics.warmup_seconds.set(dt)
-            log.info("warm: %d step shapes in %.1f s", n, dt)
-        eng.metrics.warm.set(1)
-        self.ready.set()
-
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            self._warm_up()
-        except Exception as e:  # noqa: BLE001 - /health reports it; the process stays inspectable
-            log.exception("warm-up failed")
-            self.error = e
-            return
-        while not self.stopping:
-            while True:
-                try:
-                    kind, rid, ids, opts = self.commands.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    try:
-                        eng.add_request(rid, ids, opts)
-                    except Exception as e:  # noqa: BLE001 - validated before; a last line of defence
-                        if isinstance(e, ValueError):
-                            err = RequestError(str(e), getattr(e, "field", None))
-                        else:  # a bug, but this request's alone: the engine thread lives on
-                            log.exception("add_request failed for %s", rid)
-                            err = RequestError(f"internal error: {type(e).__name__}", status=500)
-                        self._post(rid, err)
-                        self.routes.pop(rid, None)
-                else:
-                    eng.abort(rid)
-                    self.routes.pop(rid, None)
-                    eng.refresh_gauges()
-            if not eng.has_unfinished():
-                self.wakeup.wait(0.1)
-                self.wakeup.clear()
-                continue
-            live = list(eng.requests)
-            try:
-                outs = eng.step()
-            except EngineBroken:
-                log.critical("engine state is inconsistent after a failed step; exiting")
-                logging.shutdown()
-                os._exit(EXIT_ENGINE_BROKEN)
-            except Exception as e:  # noqa: BLE001 - the engine already reset itself
-                if not isinstance(e, EngineStepError):  # step() wraps what it can recover from
-                    log.exception("engine step failed")
-                self.error = e
-                for rid in live:
-                    eng.abort(rid)  # no-op after a recovery; covers anything else
-                    self._post(rid, RequestError(f"engine error: {clip(str(e), 300)}", status=500))
-                    self.routes.pop(rid, None)
-                continue
-            for o in outs:
-                if o.error is not None:  # this request alone failed; the others go on
-                    err = RequestError(f"request failed in the engine: {o.error}", status=500)
-                    self._post(o.request_id, err)
-                else:
-                    self._post(o.request_id, o)
-                if o.finished:
-                    self.routes.pop(o.request_id, None)
-
-
-# ---------------------------------------------------------------------- response pieces
-def _decode(tok: Any, ids: list[int]) -> str:
-    return "" if tok is None else tok.decode(ids)
-
-
-def _token_str(tok: Any, token_id: int) -> str:
-    return "" if tok is None else tok.decode([token_id])
-
-
-def _completion_logprobs(
-    tok: Any, c: CompletionOutput, start: int, end: int, text_offset: int
-) -> dict:
-    ids = c.token_ids[start:end]
-    strs = [_token_str(tok, t) for t in ids]
-    offsets, o = [], text_offset
-    for s in strs:
-        offsets.append(o)
-        o += len(s)
-    top = None
-    if c.top_logprobs is not None:
-        top = [{_token_str(tok, i): lp for i, lp in row} for row in c.top_logprobs[start:end]]
-    return {
-        "tokens": strs,
-        "token_logprobs": c.logprobs[start:end],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprobs(tok: Any, c: CompletionOutput, start: int, end: int) -> dict:
-    content = []
-    for k in range(start, end):
-        s = _token_str(tok, c.token_ids[k])
-        tops = []
-        if c.top_logprobs is not None:
-            for i, lp in c.top_logprobs[k]:
-                ts = _token_str(tok, i)
-                tops.append({"token": ts, "logprob": lp, "bytes": list(ts.encode())})
-        content.append(
-            {"token": s, "logprob": c.logprobs[k], "bytes": list(s.encode()), "top_logprobs": tops}
-        )
-    return {"content": content}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 # ---------------------------------------------------------------------- the app
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path but /health (and /metrics when `open_paths`
-    has it): /docs, /redoc and /openapi.json too. A plain ASGI middleware: Starlette's
-    `@app.middleware("http")` wraps `receive` so that `request.is_disconnected()` never sees the
-    client go away, which the non-streaming handlers rely on to abort abandoned requests."""
-
-    def __init__(self, app: Any, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                err = RequestError(
-                    "missing or wrong API key (Authorization: Bearer ...)",
-                    None,
-                    401,
-                    "invalid_api_key",
-                )
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class ServerState:
-    def __init__(
-        self, engine: Engine, model_name: str, fingerprint: str, warmup: bool = True
-    ) -> None:
-        self.engine = engine
-        self.driver = EngineDriver(engine, warmup)
-        self.model_name = model_name
-        self.fingerprint = fingerprint
-        self.tokenizer = engine.tokenizer
-        self.created = int(time.time())
-        self.ids = itertools.count()
-
-
 def build_app(
     engine: Engine,
     *,
@@ -310,12 +116,8 @@ def build_app(
     async def read_body(request: Request) -> bytes:
         """The request body, refused with 413 as soon as it exceeds `max_body_bytes` (before it
         is all read, so a 10 GB upload costs the server nothing)."""
-        too_big = RequestError(
-            f"request body exceeds {max_body_bytes} bytes; send a shorter request",
-            None,
-            413,
-            "request_too_large",
-        )
+        too_big = RequestError(f"request body exceeds {max_body_bytes} bytes; send a shorter "
+                               "request", None, 413, "request_too_large")  # fmt: skip
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -348,27 +150,14 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": st.model_name,
-                    "object": "model",
-                    "created": st.created,
-                    "owned_by": "jdet",
-                    "max_model_len": eng.max_model_len,
-                }
-            ],
-        }
+        card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "jdet",
+                "max_model_len": eng.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
 
     def check_model(name: str) -> None:
         if name != st.model_name:
-            raise RequestError(
-                f"model {clip(name)} does not exist; this server serves {st.model_name!r}",
-                "model",
-                404,
-                "model_not_found",
-            )
+            raise RequestError(f"model {clip(name)} does not exist; this server serves "
+                               f"{st.model_name!r}", "model", 404, "model_not_found")  # fmt: skip
 
     async def encode(text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
         """Tokenise in a worker thread: a long prompt must not stall every other stream."""
@@ -398,59 +187,18 @@ def build_app(
             raise RequestError("stop strings need a tokenizer", "stop")
 
     async def run(
-        prompts: list[list[int]], opts: list[SamplingOptions], base: str
-    ) -> tuple[list[str], asyncio.Queue]:
+        prompts: list[list[int]], opts: list[SamplingOptions], prefix: str, kind: str
+    ) -> tuple[list[str], asyncio.Queue, dict]:
+        """Submit the requests of one response: their ids, their output queue, and the head
+        fields every chunk or response of it carries."""
+        cid = f"{prefix}-{uuid.uuid4().hex}"
+        head = {"id": cid, "object": kind, "created": int(time.time()), "model": st.model_name,
+                "system_fingerprint": st.fingerprint}  # fmt: skip
         q: asyncio.Queue = asyncio.Queue()
-        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        rids = [f"{cid}-{i}" for i in range(len(prompts))]
         for rid, ids, o in zip(rids, prompts, opts, strict=True):
             st.driver.submit(rid, ids, o, q)
-        return rids, q
-
-    async def results(
-        rids: list[str], q: asyncio.Queue, request: Request | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of these engine requests until all finish; aborts the rest if cancelled.
-
-        With `request` (non-streaming responses, which Starlette does not cancel when the client
-        goes away) the client is polled every DISCONNECT_POLL_S; a gone client ends the iteration
-        and its requests are aborted, so nobody computes tokens for a closed socket.
-        """
-        live = set(rids)
-        last_poll = time.monotonic()
-        try:
-            while live:
-                if request is not None and time.monotonic() - last_poll >= DISCONNECT_POLL_S:
-                    last_poll = time.monotonic()
-                    if await request.is_disconnected():
-                        log.info("client went away; aborting %d request(s)", len(live))
-                        raise ClientGone
-                try:
-                    timeout = None if request is None else DISCONNECT_POLL_S
-                    item = await asyncio.wait_for(q.get(), timeout)
-                except TimeoutError:
-                    continue  # nothing yet: time to look at the client again
-                if isinstance(item, RequestError):
-                    raise item
-                if item.finished:
-                    live.discard(item.request_id)
-                yield item
-        finally:
-            for rid in live:
-                st.driver.abort(rid)
-
-    async def guarded(it: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput | str]:
-        """A stream's outputs; an error after the 200 went out becomes one SSE error event and
-        `data: [DONE]` (the connection ends cleanly instead of breaking mid-stream)."""
-        try:
-            async for o in it:
-                yield o
-        except RequestError as e:
-            yield _sse(e.body()) + "data: [DONE]\n\n"
-
-    def usage(prompts: list[list[int]], finals: dict[str, RequestOutput]) -> dict:
-        p = sum(len(x) for x in prompts)
-        c = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return rids, q, head
 
     # ------------------------------------------------------------------ completions
     @app.post("/v1/completions")
@@ -479,20 +227,11 @@ def build_app(
         ]
         await check_transforms(opts[0])
         echoes = [  # echo=true: each choice's text starts with its prompt
-            ("" if not req.echo else p if isinstance(p, str) else _decode(st.tokenizer, p))
+            ("" if not req.echo else p if isinstance(p, str) else decode_text(st.tokenizer, p))
             for p in req.prompts()
         ]
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        rids, q = await run(prompts, opts, cid)
+        rids, q, head = await run(prompts, opts, "cmpl", "text_completion")
         index = {rid: i for i, rid in enumerate(rids)}
-        head = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": st.model_name,
-            "system_fingerprint": st.fingerprint,
-        }
         n = req.n
         want_lp = req.logprobs is not None
         tok = st.tokenizer
@@ -500,61 +239,42 @@ def build_app(
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            async def stream() -> AsyncIterator[str]:
-                finals: dict[str, RequestOutput] = {}
-                offsets: dict[tuple[str, int], int] = {}
-                done: set[tuple[str, int]] = set()
-                for i, text in enumerate(echoes):  # echo: the prompt comes first
-                    for j in range(n) if text else ():
-                        choice = {"index": i * n + j, "text": text, "logprobs": None,
-                                  "finish_reason": None}  # fmt: skip
-                        yield _sse({**head, "choices": [choice]})
-                async for o in guarded(results(rids, q)):
-                    if isinstance(o, str):  # the error event: the stream ends here
-                        yield o
-                        return
-                    for c in o.outputs:
-                        key = (o.request_id, c.index)
-                        ends = c.finish_reason is not None and key not in done
-                        if not c.delta_text and not c.delta_token_ids and not ends:
-                            continue
-                        if ends:
-                            done.add(key)
-                        lp = None
-                        if want_lp:
-                            lp = _completion_logprobs(
-                                tok, c, c.delta_start, len(c.token_ids), offsets.get(key, 0)
-                            )
-                        offsets[key] = offsets.get(key, 0) + len(c.delta_text)
-                        fin = c.finish_reason if c.finish_reason != "abort" else None
-                        choice = {
-                            "index": index[o.request_id] * n + c.index,
-                            "text": c.delta_text,
-                            "logprobs": lp,
-                            "finish_reason": fin,
-                        }
-                        chunk = {**head, "choices": [choice]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                    if o.finished:
-                        finals[o.request_id] = o
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(prompts, finals)})
-                yield "data: [DONE]\n\n"
+            offsets: dict[tuple[str, int], int] = {}  # text already streamed per choice
+            first = [  # echo: the prompt comes first
+                {**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                      "finish_reason": None}]}  # fmt: skip
+                for i, text in enumerate(echoes)
+                for j in (range(n) if text else ())
+            ]
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            def choice(o: RequestOutput, c: Any) -> dict:
+                key = (o.request_id, c.index)
+                lp = None
+                if want_lp:
+                    lp = completion_logprobs(
+                        tok, c, c.delta_start, len(c.token_ids), offsets.get(key, 0)
+                    )
+                offsets[key] = offsets.get(key, 0) + len(c.delta_text)
+                return {
+                    "index": index[o.request_id] * n + c.index,
+                    "text": c.delta_text,
+                    "logprobs": lp,
+                    "finish_reason": stream_finish(c),
+                }
 
-        finals = {}
-        async for o in results(rids, q, request):
-            if o.finished:
-                finals[o.request_id] = o
+            events = sse_stream(
+                guarded(results(st.driver, rids, q)), head, first, choice,
+                include_usage=include_usage, usage=lambda finals: usage(prompts, finals),
+            )  # fmt: skip
+            return StreamingResponse(events, media_type="text/event-stream")
+
+        finals = await collect(results(st.driver, rids, q, request))
 
         def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
             choices = []
             for rid in rids:
                 for c in finals[rid].outputs:
-                    lp = _completion_logprobs(tok, c, 0, len(c.token_ids), 0) if want_lp else None
+                    lp = completion_logprobs(tok, c, 0, len(c.token_ids), 0) if want_lp else None
                     choices.append(
                         {
                             "index": index[rid] * n + c.index,
@@ -609,88 +329,43 @@ def build_app(
             vocab_size=eng.cfg.vocab_size,
         )
         await check_transforms(opts)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        rids, q = await run([ids], [opts], cid)
-        head = {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": st.model_name,
-            "system_fingerprint": st.fingerprint,
-        }
+        rids, q, head = await run([ids], [opts], "chatcmpl", "chat.completion")
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chead = {**head, "object": "chat.completion.chunk"}
 
-            async def stream() -> AsyncIterator[str]:
-                finals: dict[str, RequestOutput] = {}
-                extra = {"usage": None} if include_usage else {}
-                for i in range(req.n):
-                    yield _sse(
-                        {
-                            **chead,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                            **extra,
-                        }
-                    )
-                done: set[int] = set()
-                async for o in guarded(results(rids, q)):
-                    if isinstance(o, str):  # the error event: the stream ends here
-                        yield o
-                        return
-                    for c in o.outputs:
-                        ends = c.finish_reason is not None and c.index not in done
-                        if not c.delta_text and not c.delta_token_ids and not ends:
-                            continue
-                        if ends:
-                            done.add(c.index)
-                        lp = (
-                            _chat_logprobs(tok, c, c.delta_start, len(c.token_ids))
-                            if req.logprobs
-                            else None
-                        )
-                        fin = c.finish_reason if c.finish_reason != "abort" else None
-                        delta = {"content": c.delta_text} if c.delta_text else {}
-                        yield _sse(
-                            {
-                                **chead,
-                                "choices": [
-                                    {
-                                        "index": c.index,
-                                        "delta": delta,
-                                        "logprobs": lp,
-                                        "finish_reason": fin,
-                                    }
-                                ],
-                                **extra,
-                            }
-                        )
-                    if o.finished:
-                        finals[o.request_id] = o
-                if include_usage:
-                    yield _sse({**chead, "choices": [], "usage": usage([ids], finals)})
-                yield "data: [DONE]\n\n"
+            extra = {"usage": None} if include_usage else {}
+            role = {"role": "assistant", "content": ""}
+            first = [
+                {**chead, "choices": [{"index": i, "delta": role, "logprobs": None,
+                                       "finish_reason": None}], **extra}  # fmt: skip
+                for i in range(req.n)
+            ]
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            def choice(o: RequestOutput, c: Any) -> dict:
+                lp = None
+                if req.logprobs:
+                    lp = chat_logprobs(tok, c, c.delta_start, len(c.token_ids))
+                return {
+                    "index": c.index,
+                    "delta": {"content": c.delta_text} if c.delta_text else {},
+                    "logprobs": lp,
+                    "finish_reason": stream_finish(c),
+                }
 
-        finals = {}
-        async for o in results(rids, q, request):
-            if o.finished:
-                finals[o.request_id] = o
+            events = sse_stream(
+                guarded(results(st.driver, rids, q)), chead, first, choice,
+                include_usage=include_usage, usage=lambda finals: usage([ids], finals),
+            )  # fmt: skip
+            return StreamingResponse(events, media_type="text/event-stream")
+
+        finals = await collect(results(st.driver, rids, q, request))
 
         def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
             choices = []
             for c in finals[rids[0]].outputs:
-                lp = _chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
+                lp = chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
                 choices.append(
                     {
                         "index": c.index,
@@ -706,72 +381,3 @@ def build_app(
         return {**head, "choices": choices, "usage": usage([ids], finals)}
 
     return app
-
-
-def server_fingerprint(model: Any, engine: Engine) -> str:
-    from jdet.fingerprint import fingerprint
-
-    return fingerprint(model, engine.plan, page_size=engine.page_size)
-
-
-def serve(
-    model: Any = None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    log_level: str = "info",
-    dtype: str = "bfloat16",
-    max_body_bytes: int = MAX_BODY_BYTES,
-    public_metrics: bool = False,
-    chat_template: str | None = None,
-    **engine_kwargs: Any,
-) -> None:
-    """Blocking: load (if given a path), build the engine, serve until interrupted.
-
-    `api_key` defaults to the `JDET_API_KEY` environment variable (a key on the command line is
-    visible to every user in `ps`). `engine_kwargs` are `Engine`'s settings: invariance, tp,
-    max_num_batched_tokens, max_num_seqs, max_model_len, page_size, num_pages, ...
-    """
-    api_key = api_key or os.environ.get("JDET_API_KEY") or None
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    import uvicorn
-
-    from jdet.loader import load  # the loader module, not the jdet package (whose serve() is here)
-
-    if model is None or isinstance(model, str | Path):
-        model = load(model, dtype=dtype)
-    engine = Engine(model, **engine_kwargs)
-    name = served_model_name or (Path(model.path).name if getattr(model, "path", None) else "jdet")
-    app = build_app(
-        engine,
-        model_name=name,
-        fingerprint=server_fingerprint(model, engine),
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        public_metrics=public_metrics,
-        chat_template=read_chat_template(chat_template),
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def read_chat_template(arg: str | None) -> str | None:
-    """--chat-template: a file holding a Jinja chat template, or the template text itself."""
-    if arg is None:
-        return None
-    p = Path(arg)
-    if "{" not in arg and len(arg) < 4096 and p.is_file():
-        return p.read_text()
-    if "{" not in arg:
-        raise ValueError(f"--chat-template {arg!r} is neither a file nor a Jinja template")
-    return arg
-
-
-if __name__ == "__main__":  # `python -m serving.server ...` is `jdet serve ...` (jdet/cli.py)
-    import sys
-
-    from jdet.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -28,3 +28,30 @@ def test_a_value_the_step_cannot_hold_is_named_by_the_cli(capsys):
     rc = main(["generate", "x", "--top-k", str(2**31), "--invariance", "none"])
     assert rc == 2
     assert "top_k must be an integer in [0, 2147483647]" in capsys.readouterr().err
+
+
+def test_every_engine_and_server_setting_is_a_flag_with_help_and_its_default(capsys):
+    """The flags are generated from jdet.settings: one per field, none missing, none drifted."""
+    import dataclasses
+
+    from jdet.cli import parser
+    from jdet.settings import EngineConfig, ServerConfig, from_args
+
+    for cmd, classes in (("generate", (EngineConfig,)), ("serve", (EngineConfig, ServerConfig))):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = capsys.readouterr().out
+        args = parser().parse_args([cmd] + (["x"] if cmd == "generate" else []))
+        for cls in classes:
+            assert from_args(cls, args) == cls(), cls  # the flags' defaults are the fields'
+            for f in dataclasses.fields(cls):
+                flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+                assert flag in text, (cmd, flag)
+
+
+def test_version_flag(capsys):
+    from jdet.version import __version__
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert __version__ in capsys.readouterr().out

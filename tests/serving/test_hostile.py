@@ -368,12 +368,12 @@ def test_api_key_comes_from_the_environment_and_metrics_can_be_opened(serving_mo
     import uvicorn
     from fastapi.testclient import TestClient
 
-    from serving import server
+    from serving import launch
 
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     monkeypatch.setenv("JDET_API_KEY", "from-env")
-    server.serve(serving_model, invariance="none", max_model_len=64, page_size=8, num_pages=8,
+    launch.serve(serving_model, invariance="none", max_model_len=64, page_size=8, num_pages=8,
                  public_metrics=True)  # fmt: skip
     with TestClient(apps[0]) as c:
         assert c.get("/v1/models").status_code == 401

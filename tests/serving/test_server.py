@@ -32,7 +32,8 @@ def server(serving_model_dir):
     cmd = [
         sys.executable,
         "-m",
-        "serving.server",
+        "jdet",
+        "serve",
         str(serving_model_dir),
         "--port",
         str(port),

@@ -201,7 +201,8 @@ def test_server_chat_template_override(serving_model, tmp_path):
     from fastapi.testclient import TestClient
 
     from serving.engine import Engine
-    from serving.server import build_app, read_chat_template
+    from serving.launch import read_chat_template
+    from serving.server import build_app
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")

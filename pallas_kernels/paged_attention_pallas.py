@@ -1,0 +1,229 @@
+"""The `pallas_call` launch of the invariant paged attention: grids, block specs and the
+split-or-looped choice around the kernels of `paged_attention_kernels.py`. The reduction plan is
+in pallas_kernels/paged_attention.py's docstring; nothing here changes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _platform
+from pallas_kernels.paged_attention_kernels import (
+    _LOG2E,
+    ROWS,
+    _check,
+    _looped_kernel,
+    _merge_kernel,
+    _next_pow2,
+    _Plan,
+    _precision,
+    _split_kernel,
+    _tile_plan,
+    default_block_kv,
+)
+
+STRUCTURES = ("auto", "split", "looped")
+# "auto" runs the split-KV pair when fewer (query tile x kv head) programs than this exist.
+SPLIT_BELOW_PROGRAMS = 4096
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "partition_size", "block_kv", "structure", "block_rows", "num_warps",
+        "num_stages",
+    ),
+)  # fmt: skip
+def _paged_attention_pallas(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    query_start: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    partition_size: int = 512,
+    layer: jax.Array | None = None,
+    block_kv: int | None = None,
+    structure: str = "auto",
+    block_rows: int = ROWS,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
+
+    k_cache/v_cache [K, P, B, E] already hold this step's K/V. With `layer` (an int32 scalar),
+    they are the whole stacked cache [L, K, P, B, E] and the kernel reads layer `layer` in place:
+    slicing the layer out first would copy the layer's whole page pool on every step.
+    Rows of padding tokens (in no sequence) come back as zeros.
+    `structure` picks the program layout — 'split': split-KV grid plus merge kernel, for
+    decode-heavy steps; 'looped': partitions merged in registers, for prefill; 'auto' chooses
+    from T and S — and both give the same bits. `block_kv`, `block_rows` and the Triton launch
+    parameters exist for tests and benchmarks; the defaults are the plan, and every call that
+    must agree bitwise has to use the same values.
+    """
+    stacked = layer is not None
+    if stacked:
+        if k_cache.ndim != 5:
+            raise ValueError(f"with `layer`, k/v caches are [L, K, P, B, E]; got {k_cache.shape}")
+        n_layers = k_cache.shape[0]
+        if k_cache.size >= 2**31:
+            raise ValueError(
+                f"the stacked cache {k_cache.shape} has {k_cache.size} elements; its flat page "
+                "pool is addressed with 32-bit offsets, so use fewer pages (< 2**31 elements)"
+            )
+        one = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+        _check(q, one, one, page_table, context_lens, query_start, positions, partition_size)
+        k_cache = k_cache.reshape((-1, *k_cache.shape[2:]))
+        v_cache = v_cache.reshape((-1, *v_cache.shape[2:]))
+    else:
+        _check(q, k_cache, v_cache, page_table, context_lens, query_start, positions,
+               partition_size)  # fmt: skip
+    if structure not in STRUCTURES:
+        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+    t, h, e = q.shape
+    kh, num_pages, page_size, _ = k_cache.shape
+    if stacked:
+        kh //= n_layers
+    s, pmax = page_table.shape
+    g = h // kh
+    gp = _next_pow2(g)
+    block_q = max(1, block_rows // gp)
+    rows = block_q * gp
+    bk = block_kv or default_block_kv(partition_size, page_size)
+    if partition_size % bk or bk % page_size:
+        raise ValueError(
+            f"block_kv ({bk}) must divide partition_size ({partition_size}) and be a multiple of "
+            f"the page size ({page_size})"
+        )
+    ppp = partition_size // page_size  # pages per partition
+    num_parts = max(1, -(-(pmax * page_size) // partition_size))
+    plan = _Plan(partition_size, bk, page_size, float(scale) * _LOG2E, _precision(q.dtype))
+
+    nt, tseq, tstart, tcount, tok_ok, tok_tile, tok_row = _tile_plan(query_start, t, s, block_q)
+
+    # Per-tile query rows [NT, K, rows, E]: row r*gp + g is token tstart+r, head k*G+g.
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    tok = tstart[:, None] + r[None, :]  # [NT, bq]
+    tok_valid = r[None, :] < tcount[:, None]
+    tok_c = jnp.clip(tok, 0, t - 1)
+    qg = q.reshape(t, kh, g, e)
+    if gp != g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    q_tiles = qg[tok_c].transpose(0, 2, 1, 3, 4).reshape(nt, kh, rows, e)
+    ctx = context_lens.astype(jnp.int32)[tseq]  # [NT]
+    lim_tok = jnp.minimum(positions.astype(jnp.int32)[tok_c] + 1, ctx[:, None])
+    lim_tok = jnp.where(tok_valid, jnp.maximum(lim_tok, 0), -1)  # [NT, bq]
+    head_ok = jnp.arange(gp) < g
+    lim = jnp.where(head_ok[None, None, :], lim_tok[:, :, None], -1).reshape(nt, rows)
+
+    pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    pt = jnp.pad(pt, ((0, 0), (0, num_parts * ppp - pmax)))[tseq]  # [NT, J*ppp]
+
+    interpret = _platform.interpret_default()
+    compiler_params = merge_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        # The merge holds (1 + MERGE_PREFETCH) x [G_pad, E] f32 per program: ~16 values per
+        # thread per partial keeps it in registers.
+        merge_warps = max(1, min(8, gp * e // 512))
+        merge_params = pltriton.CompilerParams(num_warps=merge_warps, num_stages=1)
+    if structure == "auto":
+        structure = "split" if nt * kh < SPLIT_BELOW_PROGRAMS else "looped"
+    cache_spec = pl.BlockSpec((None, num_pages, page_size, e), lambda i, k, *_: (k, 0, 0, 0))
+    if stacked:
+        # The kernel gets the whole cache as one page pool [L*K*P, B, E] and offsets its page
+        # indices by (layer*K + k) * P itself (one indexer: what the Triton lowering supports).
+        k_cache = k_cache.reshape((-1, page_size, e))
+        v_cache = v_cache.reshape((-1, page_size, e))
+        cache_spec = pl.BlockSpec(k_cache.shape, lambda i, k, *_: (0, 0, 0))
+    pt_spec = pl.BlockSpec((None, num_parts * ppp), lambda i, k, *_: (i, 0))
+    lim_spec = pl.BlockSpec((None, rows), lambda i, k, *_: (i, 0))
+    q_spec = pl.BlockSpec((None, None, rows, e), lambda i, k, *_: (i, k, 0, 0))
+    o_shape = jax.ShapeDtypeStruct((nt, kh, rows, e), q.dtype)
+    tag = f"r{rows}_bk{bk}_ps{partition_size}"
+    hb, hb_specs = [], []
+    if stacked:
+        hb = [(jnp.asarray(layer, jnp.int32) * kh * num_pages).reshape(1)]
+        hb_specs = [pl.BlockSpec((1,), lambda *_: (0,))]
+    if structure == "looped":
+        out = pl.pallas_call(
+            _layered(functools.partial(_looped_kernel, plan=plan), stacked, num_pages),
+            grid=(nt, kh),
+            in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
+            out_specs=q_spec,
+            out_shape=o_shape,
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name=f"paged_attention_looped_{tag}",
+        )(*hb, pt, lim, q_tiles, k_cache, v_cache)
+    else:
+        acc, m, lsum = pl.pallas_call(
+            _layered(functools.partial(_split_kernel, plan=plan), stacked, num_pages),
+            grid=(nt, kh, num_parts),
+            in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
+            out_specs=[
+                pl.BlockSpec((None, None, None, rows, e), lambda i, k, j: (i, k, j, 0, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((nt, kh, num_parts, rows, e), jnp.float32),
+                jax.ShapeDtypeStruct((nt, kh, num_parts, rows), jnp.float32),
+                jax.ShapeDtypeStruct((nt, kh, num_parts, rows), jnp.float32),
+            ],
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name=f"paged_attention_split_{tag}",
+        )(*hb, pt, lim, q_tiles, k_cache, v_cache)
+        out = pl.pallas_call(
+            functools.partial(_merge_kernel, plan=plan),
+            grid=(nt, kh, block_q),
+            in_specs=[
+                pl.BlockSpec((None, gp), lambda i, k, r: (i, r)),
+                pl.BlockSpec((None, None, num_parts, gp, e), lambda i, k, r: (i, k, 0, r, 0)),
+                pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+                pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+            ],
+            out_specs=pl.BlockSpec((None, None, gp, e), lambda i, k, r: (i, k, r, 0)),
+            out_shape=o_shape,
+            interpret=interpret,
+            compiler_params=merge_params,
+            name=f"paged_attention_merge_{tag}",
+        )(lim, acc, m, lsum)
+
+    # Each token's row of its own tile; padding tokens read zeros.
+    out = out.reshape(nt, kh, block_q, gp, e)[tok_tile, :, tok_row][:, :, :g]  # [T, K, G, E]
+    out = jnp.where(tok_ok[:, None, None, None], out, jnp.zeros((), q.dtype))
+    return out.reshape(t, h, e)
+
+
+class _PagePool:
+    """A [pages, B, E] ref seen through a page offset: `pool[pages]` reads `ref[pages + off]`."""
+
+    def __init__(self, ref, off):
+        self.ref, self.off = ref, off
+
+    def __getitem__(self, pages):
+        return self.ref[pages + self.off]
+
+
+def _layered(kernel, stacked: bool, num_pages: int):
+    """With a stacked cache, prepend the layer's page base and hand the kernel its head's pool
+    (layer*K + k) * P ... + P - 1 of the flattened [L*K*P, B, E] cache."""
+    if not stacked:
+        return kernel
+
+    def wrapped(hb_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, *outs):
+        off = hb_ref[0] + pl.program_id(1) * num_pages
+        return kernel(pt_ref, lim_ref, q_ref, _PagePool(k_ref, off), _PagePool(v_ref, off), *outs)
+
+    return wrapped

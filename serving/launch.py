@@ -1,0 +1,71 @@
+"""`jdet.serve` / `jdet serve`: load the model, build the engine and the app, run uvicorn."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from serving.engine import Engine
+from serving.server import MAX_BODY_BYTES, build_app
+
+
+def server_fingerprint(model: Any, engine: Engine) -> str:
+    from jdet.fingerprint import fingerprint
+
+    return fingerprint(model, engine.plan, page_size=engine.page_size)
+
+
+def serve(
+    model: Any = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    dtype: str = "bfloat16",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    public_metrics: bool = False,
+    chat_template: str | None = None,
+    **engine_kwargs: Any,
+) -> None:
+    """Blocking: load (if given a path), build the engine, serve until interrupted.
+
+    `api_key` defaults to the `JDET_API_KEY` environment variable (a key on the command line is
+    visible to every user in `ps`). `engine_kwargs` are `Engine`'s settings: invariance, tp,
+    max_num_batched_tokens, max_num_seqs, max_model_len, page_size, num_pages, ...
+    """
+    api_key = api_key or os.environ.get("JDET_API_KEY") or None
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    import uvicorn
+
+    from jdet.loader import load  # the loader module, not the jdet package (whose serve() is here)
+
+    if model is None or isinstance(model, str | Path):
+        model = load(model, dtype=dtype)
+    engine = Engine(model, **engine_kwargs)
+    name = served_model_name or (Path(model.path).name if getattr(model, "path", None) else "jdet")
+    app = build_app(
+        engine,
+        model_name=name,
+        fingerprint=server_fingerprint(model, engine),
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        public_metrics=public_metrics,
+        chat_template=read_chat_template(chat_template),
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def read_chat_template(arg: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja chat template, or the template text itself."""
+    if arg is None:
+        return None
+    p = Path(arg)
+    if "{" not in arg and len(arg) < 4096 and p.is_file():
+        return p.read_text()
+    if "{" not in arg:
+        raise ValueError(f"--chat-template {arg!r} is neither a file nor a Jinja template")
+    return arg
