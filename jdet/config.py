@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from jdet.models import ARCHITECTURES
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)  # jdet/models: where a new architecture goes
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -165,9 +167,10 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
     if mt not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{where}: model_type {mt!r} is not supported; jdet supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM, MistralForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"({', '.join(a.hf_class for a in ARCHITECTURES.values())})"
         )
+    arch = ARCHITECTURES[mt]
     hidden = _int(raw, "hidden_size", where)
     heads = _int(raw, "num_attention_heads", where)
     kv_heads = _int(raw, "num_key_value_heads", where, default=heads)
@@ -220,15 +223,14 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
     except TypeError:
         raise ValueError(f"{where}: rope parameters must be numbers, got {rp!r}") from None
 
-    if mt == "qwen2":
-        qkv_bias, o_bias = True, False
-    elif mt == "mistral":
-        qkv_bias = o_bias = False
-    else:
-        qkv_bias = o_bias = _bool(raw, "attention_bias", where, False)
+    qkv_bias, o_bias = arch.qkv_bias, arch.o_bias
+    if qkv_bias is None or o_bias is None:
+        bias = _bool(raw, "attention_bias", where, False)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
 
     sliding = None
-    if mt == "mistral" or raw.get("use_sliding_window"):
+    if arch.sliding_window or raw.get("use_sliding_window"):
         sliding = _int(raw, "sliding_window", where, default=0, lo=0) or None
     eos_ids = token_ids(raw.get("eos_token_id"), "eos_token_id", where)
     bos = token_ids(raw.get("bos_token_id"), "bos_token_id", where)
@@ -252,7 +254,7 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", where, False),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=mt == "qwen3",
+        qk_norm=arch.qk_norm,
         rope_scaling=rope_scaling,
         sliding_window=sliding,
         bos_token_id=bos[0] if bos else None,

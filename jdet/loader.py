@@ -382,12 +382,9 @@ def _with_generation_eos(cfg: ModelConfig, gen: dict | None, d: Path) -> ModelCo
 
 
 def _hf_config_from(cfg: ModelConfig) -> dict:
-    arch = {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }[cfg.model_type]
+    from jdet.models import ARCHITECTURES
+
+    arch = ARCHITECTURES[cfg.model_type].hf_class
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **dict(cfg.rope_scaling)}
     return {
         "architectures": [arch],

@@ -1,0 +1,39 @@
+"""The architectures jdet runs, and where a new one goes.
+
+One `Architecture` entry per Hugging Face `model_type`; everything that differs between the
+architectures of the Llama family is a field here, read by the config mapping (jdet/config.py
+`_from_dict` turns it into `ModelConfig` flags) and by the checkpoint writer (jdet/loader.py).
+The model code never asks which architecture it runs: the weight table (jdet/params.py
+`weight_specs`) and the layer forward (jdet/model.py `_layer`) select their variants by the
+config flags (`qkv_bias`, `o_bias`, `qk_norm`), so a Llama-family model (same layer, other
+biases / norms / RoPE) is one entry below. An architecture with another layer (e.g. Gemma's
+post-norms, a MoE FFN) adds the flags it needs to ModelConfig, its weights to `weight_specs`
+under those flags, its branch to `_layer`, and its entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How one `model_type` maps onto jdet's model (module docstring)."""
+
+    hf_class: str  # transformers class: config.json "architectures", what jdet.save writes
+    # q/k/v and o_proj biases: True/False, or None to read config.json's "attention_bias"
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE
+    # sliding window read from config.json always (True) or only with "use_sliding_window"
+    sliding_window: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("LlamaForCausalLM"),
+    "mistral": Architecture(
+        "MistralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True
+    ),
+    "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
+    "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True),
+}
