@@ -1,7 +1,8 @@
 """Golden outputs: the embedded model's tokens and log-probs for a fixed set of requests, pinned
 as hashes of their float32 bit patterns, so a refactor (or any later change) cannot drift the
 bits silently. Generate (greedy, seeded top-p, prompt_logprobs) and score, in "tp" and "batch",
-at TP 1 (CI) and TP 2 (slow; 2 of the 8 virtual CPU devices).
+at TP 1 (CI) and TP 2 (slow; 2 of the 8 virtual CPU devices), and "tp" at TP 4 (slow: its
+values are TP 1's, which were recorded before the refactor; TP 4 itself was added after it).
 
 The values were recorded on a CPU (the fixed-order XLA kernel path) with JAX 0.10.2 at commit
 38ffb3b, before the issue-14 refactor. They are CPU values: a GPU runs other kernels (other bits),
@@ -38,6 +39,7 @@ TOKENS = [
 GOLDEN = {
     ("tp", 1): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
     ("tp", 2): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
+    ("tp", 4): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),  # "tp": TP 1's bits at every TP size
     ("batch", 1): ("8e809305953716ec", "f981005fbc504efb"),
     ("batch", 2): ("89e4a5123cf618f6", "4d1c479c3ec3bbaf"),
 }
@@ -87,6 +89,7 @@ def model() -> jdet.Model:
         ("batch", 1),
         pytest.param("tp", 2, marks=pytest.mark.slow),
         pytest.param("batch", 2, marks=pytest.mark.slow),
+        pytest.param("tp", 4, marks=pytest.mark.slow),
     ],
 )
 def test_embedded_model_outputs_match_the_recorded_bits(model, invariance, tp):
