@@ -218,7 +218,9 @@ class LLM:
     def fingerprint(self) -> str:
         from jdet.fingerprint import fingerprint
 
-        return fingerprint(self.model, self.plan, page_size=self.page_size)
+        return fingerprint(
+            self.model, self.plan, page_size=self.page_size, speculative=self.speculative
+        )
 
 
 __all__ = ["LLM", "SamplingParams", "NUM_TOP"]

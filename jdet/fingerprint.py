@@ -32,8 +32,10 @@ def kernel_backend() -> str:
     return "mosaic-gpu" if _platform.is_hopper() else f"pallas-{_platform.platform()}"
 
 
-def fingerprint(model: Any, plan: Plan, *, page_size: int) -> str:
-    """The fingerprint of `model` run by `plan` (jdet/plan.py) with `page_size`-token pages."""
+def fingerprint(model: Any, plan: Plan, *, page_size: int, speculative: Any = None) -> str:
+    """The fingerprint of `model` run by `plan` (jdet/plan.py) with `page_size`-token pages.
+    `speculative` (a SpeculativeConfig) counts only where it can change the bits: verify=
+    "rejection"; "exact" speculation gives the bits of plain decoding, so the same print."""
     dev = jax.devices()[0]
     parts = {
         "weights": model.weights_hash,
@@ -48,5 +50,13 @@ def fingerprint(model: Any, plan: Plan, *, page_size: int) -> str:
         "backend": dev.platform,
         "device_kind": dev.device_kind,
     }
+    if speculative is not None and speculative.changes_bits:
+        dm = speculative.draft_model
+        parts["speculative"] = {
+            "method": speculative.method, "num_tokens": speculative.num_tokens,
+            "verify": speculative.verify, "ngram": [speculative.ngram_min, speculative.ngram_max],
+            "draft_layers": speculative.draft_layers,
+            "draft": None if dm is None else getattr(dm, "weights_hash", str(dm)),
+        }  # fmt: skip
     h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return f"fp_jdet_{h[:16]}"

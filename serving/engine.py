@@ -324,6 +324,8 @@ class Engine:
             if plan:
                 want_top = any(s.options.logprobs for s, _ in plan)
                 res = self.runner.fetch(out, sum(nrows), want_top)
+                if self.speculator is not None and self.speculator.rejection:
+                    res.update(self.speculator.fetch_extra(out, sum(nrows)))
                 self._apply(plan, res, nrows)
             if self._inflight is not None and not any(
                 s.status is Status.RUNNING for s, _ in self._inflight[0]
@@ -388,7 +390,10 @@ class Engine:
         if self.fault_injector is not None:
             for seq, _ in plan:
                 self.fault_injector(seq)
-        return self.runner.prepare(plan)
+        prepared = self.runner.prepare(plan)
+        if self.speculator is not None:  # rejection mode: each verify row's draft (issue 13)
+            prepared = self.speculator.verify_inputs(plan, prepared)
+        return prepared
 
     def _faulty(self, item: list[tuple[Sequence, int]]) -> bool:
         try:
@@ -491,9 +496,12 @@ class Engine:
         for (seq, n), r in zip(plan, nrows, strict=True):  # r: the rows `prepare` gave it
             last = r0 + r - 1
             if r > 1 and seq.status is Status.RUNNING:
+                drafts = seq.draft_token_ids[: r - 1]
+                if self.speculator.rejection:  # rows emit accepted drafts / residual draws
+                    self.speculator.rewrite(res, r0, drafts)
                 toks = [int(t) for t in res["tokens"][r0 : r0 + r]]
                 m = self.speculator.num_emitted(
-                    seq, seq.draft_token_ids[: r - 1], toks, lambda t, j, s=seq: self._ends(s, t, j)
+                    seq, drafts, toks, lambda t, j, s=seq: self._ends(s, t, j)
                 )
                 for i in range(r0, r0 + m - 1):
                     self._append(seq, res, i)

@@ -40,11 +40,12 @@ Not drafted (decoded one token at a time, as without speculation): requests with
 transforms or structured output (`needs_logits_inputs`: their per-row inputs depend on the
 tokens before the row, which the draft has not confirmed yet).
 
-Rejection mode (seed 001, `verify="rejection"`: not implemented in this version) accepts a
-draft with probability min(1, p/q) and resamples from norm(max(0, p - q)); it preserves the
-target's distribution, not its bits: the emitted token can be a draft the target would not have
-drawn with its own key. Hence exact mode is the default and the only one whose outputs carry the
-non-speculative system fingerprint.
+Rejection mode (seed 001, `verify="rejection"`, `rejection_sample`): accept draft d with
+probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness keyed by (seed,
+position) on streams of its own. It preserves the target's distribution, not its bits (an
+accepted draft is the draft's draw), so it alone changes the system fingerprint. For n-gram
+drafts q is one-hot: the rule accepts with probability p(d), exactly exact mode's acceptance,
+which also keeps the bits (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class Speculator:
         self.config = config
         self.k = config.num_tokens
         self.max_model_len = max_model_len
+        self.rejection = config.verify == "rejection"
+        self._q: dict[Sequence, list] = {}  # rejection mode, model drafts: q of each draft
         self.reset_stats()
         self.model_draft: ModelDraft | None = None  # "self" / "draft" (`attach`)
 
@@ -118,9 +121,56 @@ class Speculator:
 
     def attach(self, runner: Any, invariance: str) -> None:
         """Give a model draft ("self", "draft") the target's runner (its params, KV cache and
-        shape set)."""
+        shape set); in rejection mode, replace the runner's step by the rejection step."""
         if self.config.method != "ngram":
             self.model_draft = ModelDraft(self.config, runner, invariance)
+        if self.rejection:
+            fn = rejection_step(runner.cfg, invariance, _mesh_of(runner), False)
+            runner.step_fn = RejectionStep(fn, runner.cfg.vocab_size, self.model_draft is not None)
+
+    def verify_inputs(self, plan: list[tuple[Sequence, int]], prepared: tuple) -> tuple:
+        """Rejection mode: the step's SpecSampling (each verify row's draft token, and q for a
+        model draft), rows laid out as `ModelRunner.prepare` lays them out."""
+        if not self.rejection:
+            return prepared
+        batch, sampling = prepared
+        S = sampling.temperature.shape[0]
+        draft = np.full(S, -1, np.int32)
+        q = None
+        if self.model_draft is not None:
+            q = np.zeros((S, self.model_draft.vocab_size), np.float32)
+        r0 = 0
+        for seq, n in plan:
+            r = num_rows(seq, n)
+            if r > 1:
+                draft[r0 : r0 + r - 1] = seq.draft_token_ids[: r - 1]
+                if q is not None:
+                    q[r0 : r0 + r - 1] = np.stack(self._q[seq][: r - 1])
+            r0 += r
+        return batch, SpecSampling(sampling, draft, q)
+
+    def fetch_extra(self, out: Any, rows: int) -> dict[str, np.ndarray]:
+        """Rejection mode: the rule's per-row outcome, brought to the host."""
+        import jax
+
+        names = ["accept", "resid", "resid_lp", "draft_lp"]
+        got = jax.device_get([getattr(out, k) for k in names])
+        return {k: np.asarray(v)[:rows] for k, v in zip(names, got, strict=True)}
+
+    def rewrite(self, res: dict, r0: int, drafts: list[int]) -> None:
+        """Rejection mode: row r0 + i (i < len(drafts)) emits the draft where the rule accepts
+        it, else its residual draw (never the draft: p(d) < q(d) there, so max(0, p - q) is 0
+        at d). The exact rule (`num_emitted`) then stops at the first residual, as the seed's
+        rule does; the last row keeps the target's own sample (the bonus)."""
+        for k in ("tokens", "logprobs"):
+            if not res[k].flags.writeable:
+                res[k] = res[k].copy()
+        for i, d in enumerate(drafts):
+            j = r0 + i
+            if res["accept"][j]:
+                res["tokens"][j], res["logprobs"][j] = d, res["draft_lp"][j]
+            else:
+                res["tokens"][j], res["logprobs"][j] = res["resid"][j], res["resid_lp"][j]
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Before scheduling: set `draft_token_ids` of every running sequence (empty where it
@@ -144,10 +194,12 @@ class Speculator:
         if self.model_draft is None:
             return
         items = [(seq, n - 1) for seq, n in plan if n > 1 and seq.num_uncomputed == 1]
+        self._q = {}
         if items:
-            got = self.model_draft.draft(items)
+            got, qs = self.model_draft.draft(items)
             for seq, k in items:
                 seq.draft_token_ids = got[seq][:k]
+            self._q = qs
 
     def mirror(self, prepared: Any) -> None:
         """After the target's step is dispatched: a separate draft model computes its own K/V of
@@ -250,7 +302,9 @@ class ModelDraft:
 
         self.runner = runner
         self.method = config.method
+        self.rejection = config.verify == "rejection"
         cfg = runner.cfg
+        self.vocab_size = cfg.vocab_size
         if config.method == "self":
             L = config.draft_layers or max(1, cfg.num_layers // 2)
             if L >= cfg.num_layers:
@@ -266,6 +320,9 @@ class ModelDraft:
             self.params["layers"] = jax.tree_util.tree_map(cut, runner.params["layers"])
             self.step_fn = runner.step_fn
             self.kv = None  # the target's cache (runner.kv)
+            if self.rejection:  # the passes also return q, the draft's distribution
+                fn = rejection_step(cfg, invariance, _mesh_of(runner), True)
+                self.step_fn = RejectionStep(fn, cfg.vocab_size, False)
         else:
             from jdet.kv_cache import init_kv_cache
             from jdet.loader import Model, load
@@ -284,7 +341,11 @@ class ModelDraft:
             num_pages = jax.tree_util.tree_leaves(runner.kv)[0].shape[2]
             self.kv = init_kv_cache(model.cfg, num_pages, runner.page_size, model.dtype)
             # the draft's own bits do not matter (exact mode): the simplest runtime, one device
-            self.step_fn = cached_step_fn(model.cfg, "batch" if invariance == "tp" else invariance)
+            mode = "batch" if invariance == "tp" else invariance
+            self.step_fn = cached_step_fn(model.cfg, mode)
+            if self.rejection:  # the passes also return q (the mirror ignores it)
+                fn = rejection_step(model.cfg, mode, None, True)
+                self.step_fn = RejectionStep(fn, model.cfg.vocab_size, False)
 
     # ------------------------------------------------------------------ device calls
     def _run(self, batch: Any, sampling: Any) -> Any:
@@ -326,6 +387,8 @@ class ModelDraft:
         if self.kv is None:
             return  # "self" shares the target's cache, written by the target's step
         batch, sampling = prepared
+        if isinstance(sampling, SpecSampling):
+            sampling = sampling.inputs
         Sp = sampling.temperature.shape[0]
         Pp = batch.page_table.shape[1]
         self._run(batch, self._sampling(Sp, Pp, np.zeros(Sp, np.int32)))
@@ -341,7 +404,7 @@ class ModelDraft:
             out = self._run(batch, self._sampling(Sp, Pp, np.asarray(sampling.position)))
             jax.block_until_ready(out)
 
-    def draft(self, items: list[tuple[Sequence, int]]) -> dict[Sequence, list[int]]:
+    def draft(self, items: list[tuple[Sequence, int]]) -> tuple[dict, dict]:
         """k draft tokens for each (sequence, k), sampled as the sequence samples: pass j feeds
         every sequence with k > j its token at position num_tokens - 1 + j (its last token,
         then its drafts)."""
@@ -352,6 +415,7 @@ class ModelDraft:
         r = self.runner
         B = r.page_size
         got: dict[Sequence, list[int]] = {seq: [] for seq, _ in items}
+        dists: dict[Sequence, list[np.ndarray]] = {seq: [] for seq, _ in items}
         for j in range(max(k for _, k in items)):
             active = [seq for seq, k in items if k > j]
             S = len(active)
@@ -379,7 +443,11 @@ class ModelDraft:
             toks = np.asarray(jax.device_get(out.tokens))[:S]
             for seq, t in zip(active, toks, strict=True):
                 got[seq].append(int(t))
-        return got
+            if self.rejection:  # q of each draft token (rejection mode needs the distribution)
+                probs = np.asarray(jax.device_get(out.probs))[:S]
+                for seq, q in zip(active, probs, strict=True):
+                    dists[seq].append(q)
+        return got, dists
 
 
 def _placed(token_ids: Any, runner: Any) -> Any:
@@ -389,3 +457,149 @@ def _placed(token_ids: Any, runner: Any) -> Any:
     if isinstance(token_ids, np.ndarray):
         return jax.device_put(token_ids, runner.token_sharding)
     return token_ids
+
+
+
+# ---------------------------------------------------------------------- rejection verification
+def _pytree(cls: type) -> type:
+    import jax
+
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(cls))
+
+
+@_pytree
+class SpecSampling:
+    """A rejection-mode step's sampling inputs: the usual ones, plus per sampled row the draft
+    token the row judges (-1: none) and, for a model draft, the draft's distribution q there
+    (None for n-gram drafts: q is one-hot at the draft token)."""
+
+    inputs: Any  # SamplingInputs [S]
+    draft: Any  # i32[S]
+    q: Any = None  # f32[S, V] or None
+
+
+@_pytree
+class SpecSampleOut:
+    """SampleOut's fields (the rows' own samples: the bonus token) plus, per row, the rejection
+    rule's outcome for its draft and the processed distribution (`probs`, drafts only)."""
+
+    tokens: Any
+    logprobs: Any
+    top_ids: Any
+    top_logprobs: Any
+    accept: Any  # bool[S]: u < p(d) / q(d), u keyed by (seed, position, 1)
+    resid: Any  # i32[S]: a draw from norm(max(0, p - q)), Gumbel keyed by (seed, position, 2)
+    resid_lp: Any  # f32[S]: raw log-prob of `resid`
+    draft_lp: Any  # f32[S]: raw log-prob of the draft token
+    probs: Any = None  # f32[S, V]: p, the processed distribution (when asked: a draft's q)
+
+
+def target_probs(logits: Any, inp: Any, ops: Any) -> Any:
+    """p per row: the distribution `jdet.sampling.sample` draws from (temperature, top-k, top-p;
+    greedy rows one-hot at the argmax). Rows with logits transforms are never drafted."""
+    import jax.numpy as jnp
+
+    from jdet.sampling import _filter_top_k_top_p
+
+    temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
+    scaled = _filter_top_k_top_p(logits / temp[:, None], inp.top_k, inp.top_p, ops)
+    p = jnp.exp(ops.log_softmax(scaled))
+    greedy = jnp.argmax(logits, axis=-1)
+    onehot = jnp.arange(logits.shape[-1])[None, :] == greedy[:, None]
+    return jnp.where((inp.temperature > 0)[:, None], p, onehot.astype(p.dtype))
+
+
+def rejection_sample(logits: Any, s: SpecSampling, ops: Any, want_probs: bool) -> SpecSampleOut:
+    """The seed's rule per row: accept draft d with probability min(1, p(d) / q(d)), else draw
+    from norm(max(0, p - q)); randomness keyed by (seed, position) on streams of its own."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdet.sampling import row_keys, sample
+
+    logits = logits.astype(jnp.float32)
+    out = sample(logits, s.inputs, ops)
+    inp = s.inputs
+    N, V = logits.shape
+    logp = ops.log_softmax(logits)
+    p = target_probs(logits, inp, ops)
+    d = jnp.maximum(s.draft, 0)
+    onehot = (jnp.arange(V)[None, :] == d[:, None]).astype(jnp.float32)
+    q = onehot if s.q is None else s.q.astype(jnp.float32)
+    pd = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
+    qd = jnp.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+    keys = row_keys(inp.seed, inp.position)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), ()))(keys)
+    accept = (u * qd < pd) & (s.draft >= 0)
+    resid = jnp.maximum(p - q, 0.0)
+    g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,)))(keys)
+    score = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)) + g, -jnp.inf)
+    rtok = jnp.argmax(score, axis=-1).astype(jnp.int32)
+    take = lambda t: jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0]  # noqa: E731
+    return SpecSampleOut(
+        out.tokens, out.logprobs, out.top_ids, out.top_logprobs, accept, rtok, take(rtok),
+        take(d), p if want_probs else None,
+    )  # fmt: skip
+
+
+_REJ_FNS: dict = {}
+
+
+def rejection_step(cfg: Any, invariance: str, mesh: Any, want_probs: bool) -> Callable:
+    """step(params, kv, batch, SpecSampling) -> (kv, SpecSampleOut): the target's forward (its
+    runtime: `mesh` for the sharded one, else one device) and `rejection_sample`."""
+    key = (cfg, invariance, mesh, want_probs)
+    if key in _REJ_FNS:
+        return _REJ_FNS[key]
+    import functools
+
+    import jax
+
+    from jdet.model import forward
+
+    if mesh is None:
+        from jdet.ops import Ops
+
+        ops, gather = Ops(invariance=invariance), None
+    else:
+        from sharding.mesh import tp_size
+        from sharding.tp import _gather_vocab, make_tp_ops
+
+        ops, gather = make_tp_ops(invariance, tp_size(mesh)), _gather_vocab
+
+    def body(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
+        kv, logits = forward(params, cfg, kv, batch, ops)
+        if gather is not None:
+            logits = gather(logits)[:, : cfg.vocab_size]
+        return kv, rejection_sample(logits, s, ops, want_probs)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
+        if mesh is None:
+            return body(params, kv, batch, s)
+        from sharding.tp import _wrap
+
+        return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, s)
+
+    _REJ_FNS[key] = step
+    return step
+
+
+class RejectionStep:
+    """The runner's step in rejection mode: takes plain SamplingInputs too (warm-up, steps with
+    no verify), as rows without a draft (and q = 0 rows for a model draft's engine)."""
+
+    def __init__(self, fn: Callable, vocab_size: int, with_q: bool) -> None:
+        self.fn, self.V, self.with_q = fn, vocab_size, with_q
+
+    def __call__(self, params: dict, kv: dict, batch: Any, sampling: Any) -> tuple:
+        if not isinstance(sampling, SpecSampling):
+            S = sampling.temperature.shape[0]
+            q = np.zeros((S, self.V), np.float32) if self.with_q else None
+            sampling = SpecSampling(sampling, np.full(S, -1, np.int32), q)
+        return self.fn(params, kv, batch, sampling)
+
+
+def _mesh_of(runner: Any) -> Any:
+    """The runner's mesh (sharded runtime), or None (one device)."""
+    return getattr(runner.token_sharding, "mesh", None)

@@ -13,6 +13,7 @@ All engines share one step shape (T = S = 32, Pmax = 16 pages of 8), compiled on
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -292,3 +293,120 @@ def test_cli_flags(capsys):
     assert "needs --speculative-method" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--speculative-method", "medusa"])
+
+
+@pytest.mark.parametrize("method, verify", [("self", "exact"), ("draft", "exact"),
+                                            ("self", "rejection")])  # fmt: skip
+def test_after_warmup_model_drafts_compile_nothing(serving_model, method, verify):
+    """Warm-up compiles the draft's passes (and a draft model's mirror step) for every shape,
+    and in rejection mode the rejection step (the target's) and the draft's q-returning passes."""
+    from jdet import compile_cache
+
+    cfg = dataclasses.replace(method_cfg(method, serving_model), verify=verify)
+    e = make_engine(serving_model, cfg)
+    e.warmup("step")
+    before = compile_cache.stats()
+    run(e, all_requests())
+    assert e.speculator.stats()["accepted_tokens"] > 0
+    assert compile_cache.stats().compiles == before.compiles
+
+
+# ---------------------------------------------------------------------- verify="rejection"
+@pytest.mark.parametrize("method", METHODS)
+def test_rejection_is_deterministic_and_greedy_keeps_the_bits(serving_model, reference, method):
+    """Rejection mode: a fixed seed gives fixed bits (run twice); greedy rows equal plain
+    decoding (p is one-hot: the rule accepts exactly the target's argmax)."""
+    cfg = SpeculativeConfig(method=method, num_tokens=3, verify="rejection",
+                            draft_model=serving_model if method == "draft" else None)  # fmt: skip
+    a = run(make_engine(serving_model, cfg), all_requests())
+    e = make_engine(serving_model, cfg)
+    assert_same(a, run(e, all_requests()))
+    assert e.speculator.stats()["accepted_tokens"] > 0
+    for rid in a:
+        if rid.endswith("/greedy"):
+            assert_same({rid: reference[rid]}, {rid: a[rid]})
+
+
+def _outcomes(engine: Engine, seed: int, n: int) -> list[tuple[int, ...]]:
+    """n samples (seeds derived from `seed`) of 3 tokens after a 9-token prompt, top-k 3."""
+    p = dict(temperature=1.0, top_k=3, seed=seed, n=n, max_tokens=3, ignore_eos=True)
+    out = run(engine, [("r", PROMPTS["copy"][:9], p)])["r"]
+    return [tuple(c.token_ids) for c in out.outputs]
+
+
+def _chi2_same(a: list, b: list) -> float:
+    """p-value of a two-sample chi-square test that `a` and `b` come from one distribution
+    (outcomes seen fewer than 5 times in all are pooled into one cell)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    cells = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
+    big = [k for k in cells if ca[k] + cb[k] >= 5]
+    rest = [k for k in cells if ca[k] + cb[k] < 5]
+    table = [[ca[k] for k in big] + [sum(ca[k] for k in rest)],
+             [cb[k] for k in big] + [sum(cb[k] for k in rest)]]  # fmt: skip
+    table = [row[: len(big)] + ([row[-1]] if rest else []) for row in table]
+    return float(chi2_contingency(np.asarray(table)).pvalue)
+
+
+@pytest.fixture(scope="module")
+def random_draft(serving_model, tmp_path_factory):
+    from tests.serving.conftest import write_tiny_model
+
+    d = write_tiny_model(tmp_path_factory.mktemp("draft"), seed=1)
+    return jdet.load(d, dtype="float32")
+
+
+N_SAMPLES = 600
+
+
+def test_rejection_preserves_the_target_distribution(serving_model, random_draft):
+    """Chi-square over many seeds (tiny vocabulary: top-3 of 320, 3 tokens, <= 27 outcomes):
+    rejection sampling gives the target's distribution of outputs, against plain decoding on
+    other seeds. Drafts: the self draft (its first layer: q near p, both accepts and residual
+    draws) and a random draft model (q far from p: mostly residual draws)."""
+    plain = _outcomes(make_engine(serving_model), 2, N_SAMPLES)
+    for cfg in (
+        SpeculativeConfig(method="self", num_tokens=2, verify="rejection"),
+        SpeculativeConfig(method="draft", num_tokens=2, verify="rejection",
+                          draft_model=random_draft),
+    ):  # fmt: skip
+        e = make_engine(serving_model, cfg)
+        spec = _outcomes(e, 1, N_SAMPLES)
+        st = e.speculator.stats()
+        assert st["rejected_tokens"] > 50, st
+        if cfg.method == "self":
+            assert st["accepted_tokens"] > 50, st
+        assert _chi2_same(spec, plain) > 0.01, (cfg.method, st)
+
+
+def test_rejection_negative_control_accepting_every_draft_is_detected(serving_model, monkeypatch):
+    """The same test with a broken rule (every draft accepted: the output follows the draft
+    model) must fail: p < 0.01."""
+
+    def accept_all(self, res, r0, drafts):
+        for k in ("tokens", "logprobs"):
+            res[k] = res[k].copy()
+        for i, d in enumerate(drafts):
+            res["tokens"][r0 + i] = d
+
+    monkeypatch.setattr(Speculator, "rewrite", accept_all)
+    cfg = SpeculativeConfig(method="self", num_tokens=2, verify="rejection")
+    spec = _outcomes(make_engine(serving_model, cfg), 1, N_SAMPLES)
+    plain = _outcomes(make_engine(serving_model), 2, N_SAMPLES)
+    assert _chi2_same(spec, plain) < 0.01
+
+
+def test_fingerprint_changes_only_where_the_bits_can(serving_model):
+    kw = dict(
+        max_num_batched_tokens=BUDGET, max_num_seqs=BUDGET, max_model_len=MAX_LEN, page_size=PAGE,
+        num_pages=64, warmup=False,
+    )  # fmt: skip
+    plain = jdet.LLM(serving_model, **kw).fingerprint()
+    exact = jdet.LLM(serving_model, **kw, speculative=spec_cfg(4)).fingerprint()
+    rej = jdet.LLM(serving_model, **kw, speculative=dict(num_tokens=4, verify="rejection"))
+    rej3 = jdet.LLM(serving_model, **kw, speculative=dict(num_tokens=3, verify="rejection"))
+    assert exact == plain
+    assert rej.fingerprint() != plain and rej3.fingerprint() != rej.fingerprint()
