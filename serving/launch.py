@@ -13,7 +13,9 @@ from serving.server import MAX_BODY_BYTES, build_app
 def server_fingerprint(model: Any, engine: Engine) -> str:
     from jdet.fingerprint import fingerprint
 
-    return fingerprint(model, engine.plan, page_size=engine.page_size)
+    return fingerprint(
+        model, engine.plan, page_size=engine.page_size, speculative=engine.speculative
+    )
 
 
 def serve(

@@ -410,3 +410,6 @@ def test_fingerprint_changes_only_where_the_bits_can(serving_model):
     rej3 = jdet.LLM(serving_model, **kw, speculative=dict(num_tokens=3, verify="rejection"))
     assert exact == plain
     assert rej.fingerprint() != plain and rej3.fingerprint() != rej.fingerprint()
+    from serving.launch import server_fingerprint  # the server's: the same rule
+
+    assert server_fingerprint(serving_model, rej.engine) == rej.fingerprint()
