@@ -17,8 +17,6 @@ import jax
 import numpy as np
 
 from jdet.loader import Model, load
-from jdet.ops import check_mode
-from jdet.plan import Plan
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 from jdet.settings import EngineConfig
@@ -50,11 +48,9 @@ class LLM:
         fields) to draft and verify several tokens per step; with verify="exact" the outputs are
         bitwise those without it (serving/speculative.py)."""
         config = dataclasses.replace(config or EngineConfig(), **settings)
-        tp, invariance, max_model_len = config.tp, config.invariance, config.max_model_len
+        tp, max_model_len = config.tp, config.max_model_len
         self.model = model if isinstance(model, Model) else load(model, dtype=config.dtype)
         self.cfg = self.model.cfg
-        self.invariance = check_mode(invariance)
-        self.plan = Plan(self.cfg, self.invariance, tp)  # the reduction plan, validated once
         self.speculative = SpeculativeConfig.from_any(speculative)
         if tp > len(jax.devices()):
             raise ValueError(f"tp={tp} but only {len(jax.devices())} devices are visible")
@@ -72,6 +68,8 @@ class LLM:
         # configuration fails here rather than at the first request.
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
         self.engine = Engine(self.model, self.config, speculative=self.speculative)
+        self.plan = self.engine.plan  # the reduction plan, validated once (jdet/plan.py)
+        self.invariance = self.plan.invariance
         if warmup is None:
             warmup = os.environ.get("JDET_WARMUP", "1") != "0"
         self.warmup = warmup

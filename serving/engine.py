@@ -125,7 +125,6 @@ class Engine:
         import dataclasses
 
         from jdet import compile_cache as cc
-        from jdet.ops import check_mode
         from jdet.plan import Plan
         from jdet.settings import EngineConfig
         from jdet.spec_config import SpeculativeConfig
@@ -139,9 +138,9 @@ class Engine:
         self.compile_cache_dir = cc.enable(compile_cache)
         cc.install_counter()
 
-        self.invariance = check_mode(invariance)
-        # the reduction plan, validated once: kernels, padding, TP runtime, fingerprint fields
-        self.plan = Plan(model.cfg, self.invariance, tp)
+        # the reduction plan, validated here once: kernels, padding, TP runtime, fingerprint
+        self.plan = Plan(model.cfg, invariance, tp)
+        self.invariance = self.plan.invariance
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if page_size < 1 or page_size & (page_size - 1):

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache
-from jdet.ops import Ops, check_mode
+from jdet.ops import Ops
 from jdet.plan import prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import score_body, step_body
@@ -54,8 +54,7 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
     row-parallel partial (jdet/plan.py `row_partial_kernel`) and the cross-device combine, the
     tree all-reduce in "tp" and psum otherwise. `ops_kw` sets the other Ops fields
     (attn_partition) for benchmarks."""
-    check_mode(ops_mode)
-    row_partial = row_partial_kernel(ops_mode, num_shards)
+    row_partial = row_partial_kernel(ops_mode, num_shards)  # validates the mode
     if ops_mode == "tp":
         row_reduce = functools.partial(tree_allreduce, axis_name=TP_AXIS)
     else:
