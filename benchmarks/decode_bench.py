@@ -123,7 +123,7 @@ def pages_used(ctx: int) -> int:
 
 def pages_for(ctx: int, steps: int) -> int:
     """Page-table width bucket of a context (a power of two, as the engine pads it)."""
-    from serving.model_runner import pow2_bucket
+    from jdet.batch import pow2_bucket
 
     return pow2_bucket(-(-(ctx + steps + 16) // PAGE), 1, 1 << 20)
 

@@ -28,6 +28,16 @@ class StepBatch:
         return int(self.token_ids.shape[0])
 
 
+def pow2_bucket(n: int, minimum: int, maximum: int = 1 << 62) -> int:
+    """Smallest power of two >= max(n, minimum), capped at `maximum` (itself a valid bucket).
+    The one bucket rule: the engine's token buckets (serving/model_runner.py `ShapeSet`) and
+    jdet.train's flat batch follow it."""
+    b = max(1, minimum)
+    while b < n:
+        b *= 2
+    return min(b, maximum) if n <= maximum else n
+
+
 def build_batch(
     seqs: list[tuple[list[int], int, list[int]]],
     page_size: int,

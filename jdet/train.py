@@ -32,20 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdet.batch import StepBatch
+from jdet.batch import StepBatch, pow2_bucket
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
 from jdet.plan import Plan
 
 MODES = ("tp", "batch", "none")
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum): the engine's token buckets (model_runner)."""
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
 
 
 def _flat_batch(tokens: jax.Array, page_size: int) -> tuple[StepBatch, jax.Array, int]:
@@ -59,7 +51,7 @@ def _flat_batch(tokens: jax.Array, page_size: int) -> tuple[StepBatch, jax.Array
     """
     B, T = tokens.shape
     n = T - 1
-    rows = _bucket(B * n)
+    rows = pow2_bucket(B * n, 16)
     pad = rows - B * n
     pps = -(-n // page_size)
     pos = jnp.arange(n, dtype=jnp.int32)

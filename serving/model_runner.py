@@ -42,15 +42,6 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from serving.block_manager import cdiv
 from serving.sequence import Sequence
 
-
-def pow2_bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest power of two >= max(n, minimum), capped at `maximum` (itself a valid bucket)."""
-    b = max(1, minimum)
-    while b < n:
-        b *= 2
-    return min(b, maximum) if n <= maximum else n
-
-
 PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
 
 
