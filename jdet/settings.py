@@ -52,9 +52,9 @@ class EngineConfig:
         True, "persistent XLA compilation cache: --compile-cache-dir DIR (default "
         "$JDET_CACHE_DIR or ~/.cache/jdet/xla) or --no-compile-cache", flag="--compile-cache-dir",
     )  # fmt: skip
-    async_scheduling: bool = _opt(
-        False, "dispatch each steady decode step before the previous one's tokens reach the host "
-        "(same bits)",
+    async_scheduling: bool | str = _opt(
+        "auto", "dispatch each steady decode step before the previous one's tokens reach the host "
+        "(same bits): 'auto' (on a GPU), 'on' or 'off'", choices=("auto", "on", "off"),
     )  # fmt: skip
 
 

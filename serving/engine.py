@@ -48,6 +48,23 @@ from serving.speculative import num_rows
 log = logging.getLogger("jdet.engine")
 
 
+
+def resolve_async(value: bool | str) -> bool:
+    """EngineConfig.async_scheduling: "auto" (default) is on where the device runs the step
+    asynchronously to the host (a GPU: the engine step then costs the device step + 0.2 ms
+    instead of + 2.1 ms, BENCHMARKS.md issue 11 run 4), off on a CPU, where the device is the host
+    and dispatching ahead only adds work. True/"on" and False/"off" force it; same bits either
+    way (tests/serving/test_async.py)."""
+    if value in (True, "on"):
+        return True
+    if value in (False, "off"):
+        return False
+    if value == "auto":
+        from pallas_kernels import _platform
+
+        return _platform.platform() == "gpu"
+    raise ValueError(f"async_scheduling={value!r}: use 'auto', 'on' or 'off' (or a bool)")
+
 class EngineStepError(RuntimeError):
     """A step failed for a reason no single request explains; every request was ended with the
     error and the engine was reset to a clean, empty state (it can serve new requests)."""
@@ -222,7 +239,7 @@ class Engine:
         self._pending: dict[Sequence, None] = {}  # sequences with tokens not yet reported
         self.num_steps = 0
         self.warm: set[str] = set()  # the kinds ("step", "score") whose shapes are compiled
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = resolve_async(async_scheduling)
         self._inflight: tuple[list, Any] | None = None  # a step dispatched ahead, not yet fetched
         self.num_steps_ahead = 0  # steps dispatched before their input tokens reached the host
         self._seen_preemptions = 0

@@ -6,6 +6,7 @@ seeded sampling with stop strings, stop tokens, EOS and max_tokens."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jdet import compile_cache
 from serving.engine import Engine
@@ -82,3 +83,18 @@ def test_async_scheduling_gives_the_synchronous_bits(serving_model, monkeypatch)
 
     monkeypatch.setattr(bad.runner, "prepare_ahead", shifted)
     assert run(bad, reqs) != want
+
+
+def test_async_scheduling_setting_resolves_by_backend(monkeypatch):
+    """'auto' (the default) dispatches ahead on a GPU only; 'on'/'off' and bools force it; any
+    other value is refused by name."""
+    from pallas_kernels import _platform
+    from serving.engine import resolve_async
+
+    assert resolve_async("auto") is False  # this CPU
+    assert resolve_async("on") is True and resolve_async(True) is True
+    assert resolve_async("off") is False and resolve_async(False) is False
+    monkeypatch.setattr(_platform, "platform", lambda: "gpu")
+    assert resolve_async("auto") is True
+    with pytest.raises(ValueError, match="async_scheduling"):
+        resolve_async("sometimes")
