@@ -173,7 +173,7 @@ def make_engine(model: Any, mode: str, max_len: int, num_pages: int) -> Any:
     return Engine(model, invariance=mode, max_num_batched_tokens=2048, max_num_seqs=64,
                   max_model_len=max_len, page_size=PAGE, num_pages=num_pages,
                   min_tokens_bucket=1, min_seqs_bucket=1, min_pages_bucket=1,
-                  enable_prefix_caching=False)  # fmt: skip
+                  enable_prefix_caching=False, async_scheduling="off")  # fmt: skip
 
 
 def ceilings() -> dict:
