@@ -221,6 +221,21 @@ def test_requests_with_logits_transforms_are_not_drafted(serving_model):
     assert e.speculator.stats()["draft_tokens"] == 0
 
 
+def test_transform_rows_batched_behind_verify_rows_keep_their_inputs(serving_model):
+    """A verify takes k + 1 sampled rows, so the rows after it move: a penalised / biased /
+    masked request behind drafted ones must still get its own logits inputs."""
+    reqs = [(f"{p}/{s}", PROMPTS[p], PARAMS[s]) for p in ("copy", "copy2") for s in ("greedy",)]
+    reqs += [
+        ("pen", PROMPTS["copy"], dict(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                      repetition_penalty=1.3, logit_bias={5: 3.0})),
+        ("mask", PROMPTS["random"], dict(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                         allowed_token_ids=[5, 6, 7, 8])),
+    ]  # fmt: skip
+    e = make_engine(serving_model, spec_cfg(4))
+    assert_same(run(make_engine(serving_model), reqs), run(e, reqs))
+    check_drafts_mattered(e)
+
+
 def test_ngram_draft_is_the_continuation_of_the_latest_match():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]
     assert ngram_draft([5, 6, 7], 3, 1, 3) == []
