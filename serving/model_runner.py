@@ -144,20 +144,15 @@ def default_num_pages(
                                                    CPU_MAX_PAGES))  # fmt: skip
 
 
-_STEP_FNS: dict[tuple[Any, str, str], Callable] = {}
-
-
 def cached_step_fn(cfg: Any, invariance: str, kind: str = "step") -> Callable:
-    """One jitted step (or score) function per (config, mode), shared by every engine in the
-    process, so a second engine on the same model reuses the compiled buckets."""
-    key = (cfg, invariance, kind)
-    if key not in _STEP_FNS:
-        from jdet.ops import Ops
-        from jdet.step import make_score_fn, make_step_fn
+    """The unsharded jitted step (or score) of (config, mode). jdet/step.py caches one per
+    (config, Ops), the one step cache: every engine in the process shares it, so a second
+    engine on the same model reuses the compiled buckets."""
+    from jdet.ops import Ops
+    from jdet.step import make_score_fn, make_step_fn
 
-        make = make_step_fn if kind == "step" else make_score_fn
-        _STEP_FNS[key] = make(cfg, Ops(invariance=invariance))
-    return _STEP_FNS[key]
+    make = make_step_fn if kind == "step" else make_score_fn
+    return make(cfg, Ops(invariance=invariance))
 
 
 class ModelRunner:

@@ -149,7 +149,6 @@ def batch_dependent_none(monkeypatch):
         return
     import jdet.ops
     import jdet.step
-    import serving.model_runner
 
     original = jdet.ops.Ops.attention
 
@@ -161,4 +160,3 @@ def batch_dependent_none(monkeypatch):
     monkeypatch.setattr(jdet.ops.Ops, "attention", attention)
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
-    monkeypatch.setattr(serving.model_runner, "_STEP_FNS", {})
