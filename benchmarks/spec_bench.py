@@ -1,12 +1,12 @@
 """Speculative decoding (serving/speculative.py): acceptance, tokens per target step, speed.
 
 CPU part (default; the embedded model, bf16, "tp" mode): held-out prompts of its corpus, greedy,
-batched; for each draft kind (n-gram, self-speculative with L of its 5 layers, a draft model if
-`--draft` names one) and K = 1..8: the per-position acceptance alpha (accepted / reached drafts),
-the mean tokens a verify emits beside the seed's formula (1 - alpha^(K+1)) / (1 - alpha), tokens
-per target step over the whole decode (plain decodes included: n-gram finds no draft at times),
-and wall tokens/s against the plain engine in the same run. Every run's tokens and log-probs
-are asserted bitwise equal to the plain engine's (verify="exact").
+batched; for each draft kind (n-gram, self-speculative with L of its 5 layers, the trained draft
+shipped in jdet/default_model/draft or `--draft DIR`) and K = 1..8: the per-position acceptance
+alpha (accepted / reached drafts), the mean tokens a verify emits beside the seed's formula
+(1 - alpha^(K+1)) / (1 - alpha), tokens per target step over the whole decode (plain decodes
+included: n-gram finds no draft at times), and wall tokens/s against the plain engine in the
+same run. Every run's tokens and log-probs are asserted bitwise equal to the plain engine's.
 
 `--gpu` part (random bf16 weights of the Qwen3-8B shape, one GPU, like decode_bench.py): the
 device time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch
@@ -78,9 +78,8 @@ def cpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     plain, t_plain = generate(Engine(model, **kw), prompts, params)
     n_out = sum(len(o.outputs[0].token_ids) for o in plain)
     res["cpu_plain"] = {"tokens": n_out, "seconds": t_plain, "tok_per_s": n_out / t_plain}
-    kinds = [("ngram", {}), ("self", {"draft_layers": a.self_layers})]
-    if a.draft:
-        kinds.append(("draft", {"draft_model": jdet.load(a.draft)}))
+    kinds = [("ngram", {}), ("self", {"draft_layers": a.self_layers}),
+             ("draft", {"draft_model": a.draft})]  # fmt: skip
     for kind, extra in kinds:
         for k in a.ks:
             spec = jdet.SpeculativeConfig(method=kind, num_tokens=k, **extra)
@@ -157,6 +156,14 @@ def time_verify(eng: Any, ctx: int, ks: list[int], res: dict, save: Any) -> None
         save()
 
 
+def copy_text() -> str:
+    """A held-out docstring of the embedded model's corpus followed by a blank line."""
+    from jdet.loader import DEFAULT_MODEL_DIR
+
+    docs = json.loads((DEFAULT_MODEL_DIR / "heldout_sample.json").read_text())["documents"]
+    return next(d for d in docs if len(d) > 300)[:800].strip() + "\n\n"
+
+
 def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     """Both engines have the same shape set (S = T: max_num_seqs >= the token budget), so the
     plain one reuses the spec one's compiled steps: 3 shapes in all."""
@@ -170,7 +177,11 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
 
     res["env"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
     ctx, max_len = 1024, 2048
-    model = random_model(a.shape, max_len)
+    if a.shape == "embedded":  # trained weights: the copy-heavy prompt is actually copied
+        ctx, max_len = 384, 1024
+        model = jdet.load()
+    else:
+        model = random_model(a.shape, max_len)
     kw = dict(invariance="tp", max_num_batched_tokens=64, max_num_seqs=64, max_model_len=max_len,
               page_size=16, num_pages=160, min_tokens_bucket=16, min_seqs_bucket=1,
               min_pages_bucket=max_len // 16, enable_prefix_caching=False)  # fmt: skip
@@ -179,7 +190,9 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     time_verify(eng, ctx, a.ks, res, save)
     # end to end, batch 1: a copy-heavy prompt (a 64-token block repeated), greedy
     block = np.random.default_rng(0).integers(1, model.cfg.vocab_size, 64).tolist()
-    prompt = (block * 16)[: ctx - 1]
+    if a.shape == "embedded":  # a docstring repeated: "repeat this text" in its own words
+        block = model.tokenizer(copy_text())["input_ids"]
+    prompt = (block * (ctx // len(block) + 1))[: ctx - 1]
     params = dict(temperature=0.0, max_tokens=a.gpu_tokens, ignore_eos=True)
     runs = {}
     # plain: the default engine (async dispatch on a GPU); plain_sync: synchronous, as the
@@ -241,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--self-layers", type=int, default=2, help="L of the self-speculative draft")
-    p.add_argument("--draft", default=None, help="a draft model directory (method 'draft')")
+    p.add_argument("--draft", default="default",
+                   help="draft model directory of method 'draft' (default: the shipped draft)")
     p.add_argument("--gpu", action="store_true", help="the GPU part instead of the CPU part")
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--gpu-tokens", type=int, default=128, help="tokens generated end to end")

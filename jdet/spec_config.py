@@ -23,7 +23,8 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
         sequence's last n tokens, n from `ngram_max` down to `ngram_min`; no model),
         "self" (the target's first `draft_layers` layers + its norm and LM head) or
-        "draft" (a separate small model sharing the tokenizer, `draft_model`).
+        "draft" (a separate small model sharing the tokenizer, `draft_model`: a path, a
+        jdet.Model, or "default": the embedded model's trained draft, jdet/default_model/draft).
     num_tokens: K, the most draft tokens verified per sequence and step (1..16).
     verify: "exact" (default: accept draft i iff it equals the token the target samples there
         with its (seed, position) key, so the output is bitwise that of non-speculative decoding)

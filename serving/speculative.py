@@ -329,6 +329,10 @@ class ModelDraft:
             from serving.model_runner import cached_step_fn
 
             dm = config.draft_model
+            if dm == "default":  # the embedded model's trained draft (examples/train_draft.py)
+                from jdet.loader import DEFAULT_MODEL_DIR
+
+                dm = DEFAULT_MODEL_DIR / "draft"
             model = dm if isinstance(dm, Model) else load(dm, dtype=runner.kv_dtype)
             if model.cfg.vocab_size != cfg.vocab_size:
                 raise ValueError(

@@ -428,3 +428,10 @@ def test_fingerprint_changes_only_where_the_bits_can(serving_model):
     from serving.launch import server_fingerprint  # the server's: the same rule
 
     assert server_fingerprint(serving_model, rej.engine) == rej.fingerprint()
+
+
+def test_the_shipped_draft_loads_and_a_vocabulary_mismatch_is_named(serving_model):
+    """draft_model="default" is the embedded model's trained draft (vocabulary 8192): on the
+    320-token test model it is refused by name."""
+    with pytest.raises(ValueError, match=r"vocabulary \(8192\) differs from the target's \(320\)"):
+        make_engine(serving_model, spec_cfg(2, "draft", "default"))
