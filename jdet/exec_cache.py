@@ -18,8 +18,9 @@ Size: past `JDET_EXEC_CACHE_MAX_BYTES` (default 4 GiB) a write deletes the least
 entries (a load refreshes an entry's time) down to 3/4 of it, so entries of old jdet sources do
 not pile up.
 
-The key must cover everything that can change the executable, since nothing checks the HLO: a
-wrong hit would be a silent bug. So it is conservative (a change anywhere below is a miss):
+The key (computed in jdet/exec_key.py) must cover everything that can change the executable,
+since nothing checks the HLO: a wrong hit would be a silent bug. So it is conservative (a change
+anywhere below is a miss):
 - the function: its name (e.g. sharding.tp.make_tp_step), the model config, invariance mode, TP
   size and mesh (axis names, device ids and kinds), as the caller describes it (`wrap`);
 - every argument leaf's shape, dtype, weak type and sharding (params, KV cache, batch, sampling
@@ -38,37 +39,25 @@ Model weights are arguments, never constants, so one entry serves any checkpoint
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib
 import io
-import json
 import logging
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from jdet.exec_key import FORMAT, args_signature, entry_key, key_json, key_parts
+
 log = logging.getLogger("jdet.exec_cache")
 
-FORMAT = 1  # bump when the entry layout changes
 SUFFIX = ".jdetexe"
-PACKAGES = ("jdet", "pallas_kernels", "sharding", "serving")
-CODE_PACKAGES = ("jdet", "pallas_kernels", "sharding")  # what a step's trace runs
-_NOT_TRACED = ("jdet.__main__", "jdet.api", "jdet.cli", "jdet.train", "jdet.exec_cache")
-_ENV_PREFIXES = ("XLA_", "JAX_", "JDET_")
-_ENV_EXTRA = ("LIBTPU_INIT_ARGS", "NVIDIA_TF32_OVERRIDE")
-_ENV_SKIP = ("JDET_CACHE_DIR", "JDET_WARMUP", "JDET_EXEC_CACHE", "JDET_EXEC_CACHE_MAX_BYTES")
 MAX_BYTES = 4 << 30  # default size cap of the exec directory
-_CONFIG_SKIP = ("compilation_cache", "persistent_cache")
 
 _counts: dict[str, float] = {"loads": 0, "writes": 0, "errors": 0, "load_s": 0.0}
 _lock = threading.Lock()
@@ -98,235 +87,7 @@ def _serializer() -> Any:
     return se
 
 
-# ---------------------------------------------------------------------- the key
-def _leaf(x: Any) -> list:
-    shape = tuple(int(d) for d in getattr(x, "shape", ()))
-    dtype = str(getattr(x, "dtype", type(x).__name__))
-    if isinstance(x, jax.Array):
-        s = x.sharding
-        p = _placement(s, x.ndim)  # up to equivalence: see _placement
-        where = [str(p[0]), list(p[1])] if isinstance(p, tuple) else repr(s)
-        mem = getattr(s, "memory_kind", None)
-        return [shape, dtype, bool(getattr(x, "weak_type", False)), where, mem]
-    return [shape, dtype, False, type(x).__name__, None]
-
-
-def args_signature(args: Sequence[Any]) -> dict:
-    leaves, tree = jax.tree_util.tree_flatten(tuple(args))
-    return {"tree": str(tree), "leaves": [_leaf(x) for x in leaves]}
-
-
-@functools.cache
-def source_hash() -> str:
-    """sha256 over every .py file (relative path and bytes) of jdet's packages, in path order."""
-    h = hashlib.sha256()
-    for pkg in PACKAGES:
-        mod = sys.modules.get(pkg)
-        if mod is None:
-            try:
-                mod = __import__(pkg)
-            except Exception:  # noqa: BLE001 - a package this install lacks
-                h.update(f"{pkg}:absent;".encode())
-                continue
-        root = Path(mod.__file__).parent
-        for f in sorted(root.rglob("*.py")):
-            h.update(f"{pkg}/{f.relative_to(root).as_posix()}\0".encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def _const_repr(c: Any) -> str:
-    if isinstance(c, frozenset):  # iteration order follows string hashing: sort
-        return "frozenset(" + ",".join(sorted(_const_repr(x) for x in c)) + ")"
-    if isinstance(c, tuple):
-        return "(" + ",".join(_const_repr(x) for x in c) + ")"
-    return f"{type(c).__name__}:{c!r}"
-
-
-def _code_digest(co: types.CodeType, h: Any) -> None:
-    h.update(co.co_code)
-    h.update(repr((co.co_names, co.co_varnames, co.co_freevars, co.co_cellvars)).encode())
-    for c in co.co_consts:
-        if isinstance(c, types.CodeType):
-            _code_digest(c, h)
-        else:
-            h.update(_const_repr(c).encode())
-
-
-def _callable_digest(obj: Any, h: Any, depth: int = 0) -> None:
-    """What identifies a callable's behaviour: its type, home and code (through wrappers)."""
-    h.update(f"{type(obj).__module__}.{type(obj).__qualname__}|".encode())
-    h.update(f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}|".encode())
-    if isinstance(obj, staticmethod | classmethod):
-        obj = obj.__func__
-    if isinstance(obj, property):
-        for f in (obj.fget, obj.fset, obj.fdel):
-            if f is not None:
-                _callable_digest(f, h, depth + 1)
-        return
-    if isinstance(obj, functools.partial):
-        _callable_digest(obj.func, h, depth + 1)
-        h.update(_const_repr(obj.args).encode() if _simple(obj.args) else b"args")
-        return
-    code = getattr(obj, "__code__", None)
-    if isinstance(code, types.CodeType):
-        _code_digest(code, h)
-        for d in getattr(obj, "__defaults__", None) or ():
-            h.update(_const_repr(d).encode() if _simple(d) else type(d).__name__.encode())
-    wrapped = getattr(obj, "__wrapped__", None)
-    if wrapped is not None and depth < 8:
-        _callable_digest(wrapped, h, depth + 1)
-
-
-def _simple(v: Any) -> bool:
-    if isinstance(v, bool | int | float | str | bytes | type(None)):
-        return True
-    return isinstance(v, tuple | frozenset) and all(_simple(x) for x in v)
-
-
-@functools.cache
-def _code_modules() -> tuple[str, ...]:
-    """Every module of the packages whose code a step can trace (from the files on disk), but the
-    entry points; serving's code is never traced (its source is in `source_hash`)."""
-    names = []
-    for pkg in CODE_PACKAGES:
-        try:
-            root = Path(importlib.import_module(pkg).__file__).parent
-        except Exception:  # noqa: BLE001
-            continue
-        for f in sorted(root.rglob("*.py")):
-            parts = [pkg, *f.relative_to(root).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            name = ".".join(parts)
-            if name not in _NOT_TRACED:
-                names.append(name)
-    return tuple(names)
-
-
-def runtime_code_digest() -> str:
-    """A digest of the code of jdet's traced packages as this process runs it: each module's
-    functions, the methods of the classes it defines, and its UPPER_CASE constants. A monkeypatch
-    (a test's batch-dependent attention, a changed tile size) or an edit made after import changes
-    it. Every module is imported first, so the digest does not depend on what ran before."""
-    h = hashlib.sha256()
-    for name in _code_modules():
-        try:
-            mod = importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 - the same failure in every process
-            h.update(f"\0module {name} unimportable: {type(e).__name__}\0".encode())
-            continue
-        h.update(f"\0module {name}\0".encode())
-        for attr, obj in sorted(vars(mod).items()):
-            if attr.startswith("__"):
-                continue
-            if isinstance(obj, type):
-                if getattr(obj, "__module__", None) != name:
-                    h.update(f"{attr}=class {obj.__module__}.{obj.__qualname__};".encode())
-                    continue
-                h.update(f"{attr}=class;".encode())
-                for m, v in sorted(vars(obj).items()):
-                    if callable(v) or isinstance(v, staticmethod | classmethod | property):
-                        h.update(f"{m}:".encode())
-                        _callable_digest(v, h)
-                    elif m.isupper() and _simple(v):
-                        h.update(f"{m}={_const_repr(v)};".encode())
-            elif isinstance(obj, types.ModuleType):
-                continue
-            elif callable(obj):
-                h.update(f"{attr}:".encode())
-                _callable_digest(obj, h)
-            elif attr.isupper() and _simple(obj):
-                h.update(f"{attr}={_const_repr(obj)};".encode())
-    return h.hexdigest()
-
-
-def _config_values() -> dict[str, str]:
-    vals = getattr(jax.config, "values", {}) or {}
-    return {k: repr(v) for k, v in sorted(vals.items()) if not any(s in k for s in _CONFIG_SKIP)}
-
-
-def _abstract_mesh() -> str:
-    """The mesh context a trace would see (`jax.sharding.use_mesh`), if this JAX has one."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    try:
-        return repr(get()) if get is not None else "?"
-    except Exception:  # noqa: BLE001
-        return "?"
-
-
-def environment() -> dict:
-    """Everything outside the function and its arguments that the key covers."""
-    import jaxlib
-
-    from jdet.fingerprint import kernel_backend
-    from jdet.version import __version__
-
-    dev = jax.devices()[0]
-    env = {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if (k.startswith(_ENV_PREFIXES) or k in _ENV_EXTRA) and k not in _ENV_SKIP
-    }
-    return {
-        "jdet": __version__,
-        "source": source_hash(),
-        "code": runtime_code_digest(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "python": sys.version,
-        "platform": dev.platform,
-        "platform_version": getattr(dev.client, "platform_version", "?"),
-        "device_kinds": sorted({d.device_kind for d in jax.devices()}),
-        "device_count": jax.device_count(),
-        "process": [jax.process_index(), jax.process_count()],
-        "kernel_backend": kernel_backend(),
-        "config": _config_values(),
-        "abstract_mesh": _abstract_mesh(),
-        "env": env,
-    }
-
-
-def key_parts(name: str, static: dict, devices: Sequence[Any], args: Sequence[Any]) -> dict:
-    return {
-        "format": FORMAT,
-        "fn": name,
-        "static": static,
-        "devices": [[d.id, d.device_kind, d.platform] for d in devices],
-        "args": args_signature(args),
-        "env": environment(),
-    }
-
-
-def _dumps(parts: dict) -> str:
-    return json.dumps(parts, sort_keys=True, default=repr)
-
-
-def entry_key(parts: dict) -> str:
-    return hashlib.sha256(_dumps(parts).encode()).hexdigest()
-
-
 # ---------------------------------------------------------------------- the wrapper
-_placements: dict[Any, Any] = {}
-
-
-def _placement(s: Any, ndim: int) -> Any:
-    """A sharding up to equivalence: (HLO sharding, device order). A loaded executable returns
-    its outputs under shardings rebuilt from the HLO (a 1-device mesh's P(None, 'tp') comes back
-    as P()): equal placements, unequal objects, and the next step must still find its executable."""
-    k = (s, ndim)
-    p = _placements.get(k)
-    if p is None:
-        try:
-            p = (s._to_xla_hlo_sharding(ndim), tuple(d.id for d in s._device_assignment))
-        except Exception:  # noqa: BLE001 - private API moved: compare the objects themselves
-            p = s
-        if len(_placements) > 4096:
-            _placements.clear()
-        _placements[k] = p
-    return p
-
-
 class CachedFn:
     """A jitted step/score function whose warmed shapes run a cached executable.
 
@@ -415,7 +176,7 @@ class CachedFn:
             entry = pickle.load(fh)
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:
             raise ValueError(f"not a jdet exec cache entry of format {FORMAT}")
-        if entry.get("parts") != _dumps(parts):
+        if entry.get("parts") != key_json(parts):
             raise ValueError("the entry's recorded key differs from this process's")
         in_tree = jax.tree_util.tree_structure((tuple(args), {}))
         if entry["in_tree"] != in_tree:
@@ -440,7 +201,7 @@ class CachedFn:
             payload, in_tree, out_tree = se.serialize(exe)
             buf = io.BytesIO()
             pickle.dump(
-                {"format": FORMAT, "parts": _dumps(parts), "payload": payload,
+                {"format": FORMAT, "parts": key_json(parts), "payload": payload,
                  "in_tree": in_tree, "out_tree": out_tree},
                 buf, protocol=pickle.HIGHEST_PROTOCOL,
             )  # fmt: skip

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdet import compile_cache, exec_cache
+from jdet import compile_cache, exec_cache, exec_key
 
 
 def toy_step(params, kv, batch, extra):
@@ -95,8 +95,8 @@ def test_the_key_changes_when_anything_that_changes_the_executable_does(monkeypa
     dev = jax.devices()[:1]
 
     def key(name="toy", static=None, a=None, devices=dev):
-        parts = exec_cache.key_parts(name, static or {"cfg": "toy"}, devices, a or args())
-        return exec_cache.entry_key(parts)
+        parts = exec_key.key_parts(name, static or {"cfg": "toy"}, devices, a or args())
+        return exec_key.entry_key(parts)
 
     base = key()
     assert key() == base  # stable
@@ -137,7 +137,7 @@ def test_the_key_changes_when_anything_that_changes_the_executable_does(monkeypa
         m.setattr(jdet.version, "__version__", "9.9.9")
         changed["jdet version"] = key()
     with monkeypatch.context() as m:
-        m.setattr(exec_cache, "source_hash", lambda: "edited")
+        m.setattr(exec_key, "source_hash", lambda: "edited")
         changed["source files"] = key()
     for what, k in changed.items():
         assert k != base, f"the key ignores the {what}"
