@@ -186,7 +186,8 @@ def decode_b1(model: Any, a: argparse.Namespace, bw: float | None) -> list[dict]
         loop_t = float(np.median(step_times[3:])) if len(step_times) > 4 else None
         # device-only: the same decode step replayed back to back (no host work in between)
         seq_ids = ids + [1]
-        from serving.sequence import SamplingOptions, Sequence
+        from serving.sampling_options import SamplingOptions
+        from serving.sequence import Sequence
 
         seq = Sequence("dev", 0, seq_ids, SamplingOptions(temperature=0.0), seed=0)
         eng.block_manager.grow(seq, len(seq_ids))

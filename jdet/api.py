@@ -85,7 +85,7 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> checked token ids (the engine's shared boundary check; the
         length against max_model_len is checked by the caller, with max_tokens)."""
-        from serving.sequence import InvalidRequest, check_prompt_ids
+        from serving.sampling_options import InvalidRequest, check_prompt_ids
 
         if isinstance(prompt, str):
             if self.tokenizer is None:

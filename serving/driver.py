@@ -23,7 +23,7 @@ from typing import Any
 
 from serving.engine import Engine, EngineBroken, EngineStepError
 from serving.protocol import RequestError, clip
-from serving.sequence import SamplingOptions
+from serving.sampling_options import SamplingOptions
 
 log = logging.getLogger("jdet.server")
 

@@ -34,15 +34,9 @@ from typing import Any
 from serving.block_manager import BlockManager
 from serving.metrics import EngineMetrics
 from serving.model_runner import ModelRunner, default_num_pages
+from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
 from serving.scheduler import Scheduler
-from serving.sequence import (
-    InvalidRequest,
-    SamplingOptions,
-    Sequence,
-    Status,
-    check_prompt_ids,
-    derive_seed,
-)
+from serving.sequence import Sequence, Status, derive_seed
 from serving.speculative import num_rows
 
 log = logging.getLogger("jdet.engine")
@@ -277,7 +271,7 @@ class Engine:
         return seed
 
     def _validate(self, request_id: str, prompt: list[int], o: SamplingOptions) -> None:
-        """The shared boundary check (serving/sequence.py) plus what only the engine knows."""
+        """The shared boundary check (serving/sampling_options.py) plus what the engine knows."""
         if not isinstance(request_id, str) or request_id in self.requests:
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
         check_prompt_ids(

@@ -14,7 +14,7 @@ import numpy as np
 
 from serving.block_manager import cdiv
 from serving.engine import Engine
-from serving.sequence import SamplingOptions
+from serving.sampling_options import SamplingOptions
 from serving.sequence import Sequence as Seq
 
 _IDS = itertools.count()

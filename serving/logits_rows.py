@@ -32,7 +32,8 @@ import jax
 import numpy as np
 
 from jdet.sampling import MAX_LOGIT_BIAS, LogitsInputs
-from serving.sequence import InvalidRequest, SamplingOptions, Sequence
+from serving.sampling_options import InvalidRequest, SamplingOptions
+from serving.sequence import Sequence
 from serving.structured import Guide, Structured
 
 

@@ -3,9 +3,10 @@
 Why parse by hand instead of FastAPI's body binding: every failure (malformed JSON, wrong type,
 out-of-range value, unsupported feature) must answer in the OpenAI error format with the field in
 `param`, and nothing invalid may reach the engine thread. Checks that need the model (vocabulary,
-`max_model_len`, chat template) are in `check_prompt` / `sampling_options`, called by the server;
-both end in the shared boundary check of serving/sequence.py (`SamplingOptions.check`,
-`check_prompt_ids`) that `jdet.LLM` and the engine use too.
+`max_model_len`, chat template) and the parsing itself are in serving/request_parsing.py
+(`parse`, `check_prompt`, `sampling_options`, called by the server); they end in the shared
+boundary check of serving/sampling_options.py (`SamplingOptions.check`, `check_prompt_ids`) that
+`jdet.LLM` and the engine use too.
 
 A parameter is either honoured or refused by name: unknown fields are a 400 naming them, except
 the documented no-ops in `ACCEPTED_NO_OPS`; vLLM/OpenAI extras jdet does not implement are listed,
@@ -17,15 +18,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from serving.sequence import (
+from serving.sampling_options import (
     INT32_MAX,
     MAX_LOGIT_BIAS,
     NUM_TOP,
-    InvalidRequest,
-    SamplingOptions,
-    check_prompt_ids,
 )
 
 MAX_N = 16  # samples per prompt
@@ -124,7 +122,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
+class CommonRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are refused)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -184,7 +182,7 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: StrictStr | list[StrictStr] | list[Int] | list[list[Int]]
     logprobs: Int | None = Field(None, ge=0, le=NUM_TOP)
     echo: StrictBool = False
@@ -242,7 +240,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=NUM_TOP)
@@ -291,171 +289,3 @@ class ChatCompletionRequest(_Common):
                 "response_format",
             )
         return tuple(out)
-
-
-def _path(link: tuple | None) -> str:
-    """'messages.0.content' from the (parent link, key) chain; keys cut to 40 characters."""
-    parts: list[str] = []
-    while link is not None:
-        link, key = link
-        parts.append(str(key)[:40].encode("utf-8", "backslashreplace").decode())
-    return ".".join(reversed(parts))
-
-
-def _check_tree(obj: Any) -> None:
-    """Depth limit and valid Unicode everywhere, without recursion (a hostile body cannot
-    exhaust the stack here). Lone surrogates (`"\\ud800"`) are legal JSON but not text: they
-    would fail in the tokenizer, so they are named here. Paths are built only for an error, and
-    numbers are not visited, so a 4 MB list of token ids costs one pass over it."""
-    stack: list[tuple[Any, tuple | None, int]] = [(obj, None, 1)]
-    nested = (str, dict, list)
-    while stack:
-        x, link, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            where = _path(link)
-            raise RequestError(
-                f"request body nests deeper than {MAX_JSON_DEPTH} levels", where or None
-            )
-        if isinstance(x, str):
-            try:
-                x.encode("utf-8")
-            except UnicodeEncodeError:
-                where = _path(link)
-                raise RequestError(
-                    f"{where or 'body'} is not valid Unicode text (it contains a lone surrogate "
-                    "such as \\ud800); send UTF-8 text",
-                    where or None,
-                ) from None
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                stack.append((k, (link, k), depth + 1))
-                if isinstance(v, nested):
-                    stack.append((v, (link, k), depth + 1))
-        elif isinstance(x, list):
-            stack.extend(
-                (v, (link, i), depth + 1) for i, v in enumerate(x) if isinstance(v, nested)
-            )
-
-
-def _check_fields(obj: dict, schema: type[_Common]) -> dict:
-    """Refuse unsupported and unknown top-level fields by name; drop the documented no-ops."""
-    for k, v in obj.items():
-        if k in UNSUPPORTED and not (
-            k in SAME_AS_JDET
-            and isinstance(v, bool) == isinstance(SAME_AS_JDET[k], bool)
-            and v == SAME_AS_JDET[k]
-        ):
-            raise RequestError(
-                f"{k} is not supported by jdet ({UNSUPPORTED[k]}); remove it from the request", k
-            )
-    known = (schema.model_fields, ACCEPTED_NO_OPS, UNSUPPORTED)  # those left send the default
-    unknown = [k for k in obj if not any(k in names for names in known)]
-    if unknown:
-        names = ", ".join(clip(k, 40) for k in unknown[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise RequestError(
-            f"unknown field(s) {names}{more}; remove them (accepted no-ops: "
-            f"{', '.join(sorted(ACCEPTED_NO_OPS))})",
-            unknown[0][:40],
-        )
-    drop = (set(ACCEPTED_NO_OPS) | set(UNSUPPORTED)) - set(schema.model_fields)  # typed: kept
-    return {k: v for k, v in obj.items() if k not in drop}
-
-
-def parse(raw: bytes, schema: type[_Common]) -> Any:
-    """JSON bytes -> validated request, or RequestError naming the first bad field."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise RequestError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {str(e)[:200]}", None) from None
-    if not isinstance(obj, dict):
-        raise RequestError("request body must be a JSON object", None)
-    _check_tree(obj)
-    obj = _check_fields(obj, schema)
-    try:
-        req = schema.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "list["))]
-        # unions report one branch per error; keep the path to the field itself
-        field = ".".join(x for x in loc if x not in ("str", "int", "float", "bool")) or None
-        field = field if field is None else clip(field, 60).strip("'")
-        raise RequestError(f"{field}: {err['msg'][:300]}", field) from None
-    req.unsupported()
-    return req
-
-
-def check_prompt(ids: list[int], *, vocab_size: int, max_model_len: int, param: str) -> None:
-    """The shared prompt check (serving/sequence.py), as a RequestError naming `param`."""
-    try:
-        check_prompt_ids(ids, vocab_size=vocab_size, max_model_len=max_model_len, field=param)
-    except InvalidRequest as e:
-        raise RequestError(str(e), param) from None
-
-
-def _logit_bias(b: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> sorted (id, bias)."""
-    if not b:
-        return ()
-    out = []
-    for k, v in b.items():
-        if not k.isdigit() or len(k) > 10:
-            raise RequestError(
-                f"logit_bias keys must be token ids (decimal integers), got {clip(k, 40)}",
-                "logit_bias",
-            )
-        if not -100 <= v <= 100:
-            raise RequestError(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
-        out.append((int(k), float(v)))
-    return tuple(sorted(out))
-
-
-def sampling_options(
-    req: _Common,
-    *,
-    prompt_len: int,
-    max_model_len: int,
-    logprobs: int | None,
-    max_tokens: int | None,
-    vocab_size: int | None = None,
-) -> SamplingOptions:
-    """Engine sampling options for one prompt of a validated request."""
-    room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        field = (
-            "max_completion_tokens"
-            if getattr(req, "max_completion_tokens", None)
-            else ("max_tokens")
-        )
-        raise RequestError(
-            f"{field}={max_tokens} plus the prompt's {prompt_len} tokens exceeds "
-            f"max_model_len={max_model_len}; ask for at most {room}",
-            field,
-        )
-    opts = SamplingOptions(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
-        seed=req.seed,
-        max_tokens=max_tokens if max_tokens is not None else room,
-        n=req.n,
-        stop=req.stops(),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        presence_penalty=float(req.presence_penalty or 0.0),
-        frequency_penalty=float(req.frequency_penalty or 0.0),
-        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-        min_p=float(req.min_p or 0.0),
-        min_tokens=req.min_tokens or 0,
-        logit_bias=_logit_bias(req.logit_bias),
-        bad_words=tuple(req.bad_words or ()),
-        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-        structured=req.structured(),
-    )
-    try:
-        return opts.check(vocab_size)
-    except InvalidRequest as e:  # the shared bounds (int32, u32 seeds, vocabulary)
-        raise RequestError(str(e), e.field) from None

@@ -9,7 +9,7 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream=tru
 `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text). Binds 127.0.0.1 by default.
 
 Hardening (no request can hurt another): the body is capped (`max_body_bytes`, default 4 MB,
-413 beyond), JSON nesting and lone surrogates are refused in protocol.parse, parsing,
+413 beyond), JSON nesting and lone surrogates are refused in request_parsing.parse, parsing,
 tokenisation and the chat template run in worker threads so a large prompt never blocks the event
 loop, and with an API key (`--api-key` or `JDET_API_KEY`) every path except /health needs it
 (/metrics too, unless `--public-metrics`). A request the engine fails alone gets a 500 of its own;
@@ -34,15 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.auth import ApiKeyMiddleware
 from serving.driver import ServerState
 from serving.engine import Engine, RequestOutput
-from serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    check_prompt,
-    clip,
-    parse,
-    sampling_options,
-)
+from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
+from serving.request_parsing import check_prompt, parse, sampling_options
 from serving.responses import (
     ClientGone,
     chat_logprobs,
@@ -55,7 +48,7 @@ from serving.responses import (
     stream_finish,
     usage,
 )
-from serving.sequence import SamplingOptions
+from serving.sampling_options import SamplingOptions
 
 log = logging.getLogger("jdet.server")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.sequence import InvalidRequest
+from serving.sampling_options import InvalidRequest
 
 
 def _lg() -> Any:

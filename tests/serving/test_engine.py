@@ -327,7 +327,7 @@ def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(s
 def test_values_the_step_arrays_cannot_hold_are_refused_at_admission(serving_model, params, field):
     """Each of these used to reach `ModelRunner.prepare` (an int32 overflow there ended every
     running request); now the shared check names the field and nothing is queued."""
-    from serving.sequence import InvalidRequest
+    from serving.sampling_options import InvalidRequest
 
     eng = make_engine(serving_model, MODE)
     with pytest.raises(InvalidRequest, match=field) as e:
@@ -338,7 +338,7 @@ def test_values_the_step_arrays_cannot_hold_are_refused_at_admission(serving_mod
 
 def test_llm_sampling_params_share_the_engine_bounds():
     import jdet
-    from serving.sequence import InvalidRequest
+    from serving.sampling_options import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="top_k"):
         jdet.SamplingParams(top_k=2**31)

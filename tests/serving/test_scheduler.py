@@ -9,8 +9,9 @@ import random
 import pytest
 
 from serving.block_manager import BlockManager, page_hash
+from serving.sampling_options import SamplingOptions
 from serving.scheduler import Scheduler
-from serving.sequence import SamplingOptions, Sequence, Status, derive_seed
+from serving.sequence import Sequence, Status, derive_seed
 
 
 def make_seq(n_prompt: int, rid: str = "r", rng: random.Random | None = None) -> Sequence:
