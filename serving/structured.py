@@ -46,7 +46,11 @@ def _lg() -> Any:
 @functools.lru_cache(maxsize=8)
 def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
     """llguidance's view of the tokenizer (about a second for a 150k vocabulary: cached)."""
+    from jdet.tokenizer import FastTokenizer
+
     lg = _lg()
+    if isinstance(tokenizer, FastTokenizer):  # llguidance takes transformers' own class only
+        tokenizer = tokenizer.hf
     return lg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
