@@ -30,7 +30,7 @@ class StepBatch:
 
 def pow2_bucket(n: int, minimum: int, maximum: int = 1 << 62) -> int:
     """Smallest power of two >= max(n, minimum), capped at `maximum` (itself a valid bucket).
-    The one bucket rule: the engine's token buckets (serving/model_runner.py `ShapeSet`) and
+    The one bucket rule: the engine's token buckets (serving/shapes.py `ShapeSet`) and
     jdet.train's flat batch follow it."""
     b = max(1, minimum)
     while b < n:

@@ -108,3 +108,20 @@ def from_args(cls: type, a: argparse.Namespace) -> Any:
             raise ValueError("give --compile-cache-dir or --no-compile-cache, not both")
         kw["compile_cache"] = False if a.no_compile_cache else (a.compile_cache_dir or True)
     return cls(**kw)
+
+
+def resolve_async(value: bool | str) -> bool:
+    """EngineConfig.async_scheduling: "auto" (default) is on where the device runs the step
+    asynchronously to the host (a GPU: the engine step then costs the device step + 0.2 ms
+    instead of + 2.1 ms, BENCHMARKS.md issue 11 run 4), off on a CPU, where the device is the host
+    and dispatching ahead only adds work. True/"on" and False/"off" force it; same bits either
+    way (tests/serving/test_async.py)."""
+    if value in (True, "on"):
+        return True
+    if value in (False, "off"):
+        return False
+    if value == "auto":
+        from pallas_kernels import _platform
+
+        return _platform.platform() == "gpu"
+    raise ValueError(f"async_scheduling={value!r}: use 'auto', 'on' or 'off' (or a bool)")

@@ -1,7 +1,7 @@
 """The jitted step functions the engine and the offline loop call (cache donated).
 
 One compile per shape (T, S, Pmax, N); the engine pads every step to one of a bounded set of
-shapes and compiles them all before it serves (serving/model_runner.py `ShapeSet`).
+shapes and compiles them all before it serves (serving/shapes.py `ShapeSet`).
 """
 
 from __future__ import annotations

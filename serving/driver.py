@@ -21,7 +21,8 @@ import threading
 import time
 from typing import Any
 
-from serving.engine import Engine, EngineBroken, EngineStepError
+from serving.engine import Engine
+from serving.faults import EngineBroken, EngineStepError
 from serving.protocol import RequestError, clip
 from serving.sampling_options import SamplingOptions
 

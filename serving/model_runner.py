@@ -1,27 +1,7 @@
 """Scheduled sequences -> one padded `StepBatch` + `SamplingInputs` -> the jitted step.
 
-Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once, and a
-compile costs seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
-runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
-- T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
-  last bucket): 16, 32, ..., 512 by default, 6 buckets;
-- S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
-  No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs;
-- Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
-  maximum (a last geometric bucket above half the maximum merges into it): 32, 128, 512 pages
-  for max_model_len 8192 at page size 16, i.e. 3 buckets.
-So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
-function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
-attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
-at once: measured 0-3 % for a 512-page table against 128 at decode), but the "none" baseline
-gathers all Pmax pages per token, whose cost grows linearly.
-Padding cost, measured on an H100 with Qwen3-8B shapes (benchmarks/ready_bench.py; BENCHMARKS.md
-"Start-up and the bounded shape set"), step time at the bucket / at the exact shape: decode at
-batch 1, 8, 64 (ctx 1024): 1.04, 1.04, 1.00; a 300-token prefill chunk alone: 1.32 (T 300 -> 512,
-S 1 -> 256); 32 decodes + a 200-token chunk: 1.35, mostly the 256 sampled rows of S = T. A busy
-server fills steps to the token budget (T exact); few-sequence prefill is what pays.
-Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
-Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
+It runs only the shapes of its `ShapeSet` (serving/shapes.py: why a bounded set, what padding
+costs, why it never changes a real row's bits), all compiled by `warmup()` before it serves.
 
 Why `dispatch` and `fetch` are separate: JAX dispatch is asynchronous, so the engine dispatches
 step n, does the host work of step n-1 (detokenisation, stop strings, streaming) while the device
@@ -41,107 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from serving.block_manager import cdiv
 from serving.sequence import Sequence
-
-PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeSet:
-    """Every (T, S, Pmax) an engine's step may run with (module docstring: why these)."""
-
-    tokens: tuple[int, ...]  # ascending; the last is max_num_batched_tokens
-    pages: tuple[int, ...]  # ascending; the last is the pages of max_model_len
-    min_seqs: int
-    max_seqs: int
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_pages: int,
-        min_tokens_bucket: int = 16,
-        min_seqs_bucket: int = 1,
-        min_pages_bucket: int = 32,
-    ) -> ShapeSet:
-        for name, v in (
-            ("min_tokens_bucket", min_tokens_bucket),
-            ("min_seqs_bucket", min_seqs_bucket),
-            ("min_pages_bucket", min_pages_bucket),
-        ):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        tokens, t = [], min(min_tokens_bucket, max_num_batched_tokens)
-        while t < max_num_batched_tokens:
-            tokens.append(t)
-            t *= 2
-        pages, p = [], min(min_pages_bucket, max_pages)
-        while p < max_pages:
-            pages.append(p)
-            p *= PAGES_BUCKET_FACTOR
-        if len(pages) > 1 and pages[-1] * 2 > max_pages:
-            pages.pop()  # within 2x of the maximum: the maximum serves it
-        return cls(
-            tuple(tokens) + (max_num_batched_tokens,),
-            tuple(pages) + (max_pages,),
-            min(min_seqs_bucket, max_num_seqs),
-            max_num_seqs,
-        )
-
-    def seqs(self, tokens_bucket: int) -> int:
-        """S for a token bucket: >= every step's sequence count (S <= T, S <= max_num_seqs)."""
-        return min(max(tokens_bucket, self.min_seqs), self.max_seqs)
-
-    def fit(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        """The (T, S, Pmax) bucket of a step; a step outside the set is a bug, not a compile."""
-        t = next((b for b in self.tokens if b >= num_tokens), None)
-        p = next((b for b in self.pages if b >= num_pages), None)
-        if t is None or p is None or num_seqs > min(num_tokens, self.max_seqs):
-            raise ValueError(
-                f"a step of {num_tokens} tokens, {num_seqs} sequences and {num_pages} pages is "
-                f"outside the engine's shape set (tokens {self.tokens}, pages {self.pages}, "
-                f"at most {self.max_seqs} sequences)"
-            )
-        return t, self.seqs(t), p
-
-    def all(self) -> list[tuple[int, int, int]]:
-        """Every shape, small first (what warm-up compiles)."""
-        return [(t, self.seqs(t), p) for p in self.pages for t in self.tokens]
-
-
-CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)
-
-
-def default_num_pages(
-    cfg: Any,
-    page_size: int,
-    dtype: Any,
-    *,
-    max_model_len: int,
-    max_num_seqs: int,
-    memory_fraction: float = 0.85,
-) -> int:
-    """Pages that fit in the free device memory (GPU), or on a CPU enough for a full batch up
-    to CPU_MAX_PAGES (16k tokens at page 16: every engine allocates and zeroes its pool, ~0.5 s
-    for the embedded model's former 4096-page default on the 2-core machine)."""
-    from jdet.kv_cache import kv_bytes_per_token
-
-    page_bytes = kv_bytes_per_token(cfg, dtype) * page_size
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = {}
-    limit = stats.get("bytes_limit")
-    if limit:
-        free = int(limit * memory_fraction) - int(stats.get("bytes_in_use", 0))
-        # The paged-attention kernel addresses each of k and v as one flat page pool with 32-bit
-        # element offsets (Triton): keep L * K * P * B * E below 2**31.
-        per_page = cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim
-        cap = (2**31 - 1) // per_page
-        return max(cdiv(max_model_len, page_size), min(free // page_bytes, cap))
-    return max(cdiv(max_model_len, page_size), min(cdiv(max_model_len, page_size) * max_num_seqs,
-                                                   CPU_MAX_PAGES))  # fmt: skip
+from serving.shapes import ShapeSet
 
 
 def cached_step_fn(cfg: Any, invariance: str, kind: str = "step") -> Callable:

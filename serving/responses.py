@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.engine import CompletionOutput, RequestOutput
+from serving.outputs import CompletionOutput, RequestOutput
 from serving.protocol import RequestError
 
 log = logging.getLogger("jdet.server")

@@ -113,3 +113,16 @@ class Sequence:
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
             f"pages={len(self.block_table)})"
         )
+
+
+@dataclass
+class Request:
+    """One request of the engine: its `n` sequences (samples), which share the prompt and whose
+    seeds derive from the request's (`derive_seed`); `error` when the engine ended it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    seed: int
+    seqs: list[Sequence]
+    arrival_time: float
+    error: str | None = None

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.auth import ApiKeyMiddleware
 from serving.driver import ServerState
-from serving.engine import Engine, RequestOutput
+from serving.engine import Engine
+from serving.outputs import RequestOutput
 from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
 from serving.request_parsing import check_prompt, parse, sampling_options
 from serving.responses import (

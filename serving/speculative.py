@@ -27,8 +27,8 @@ to zero). A preempted sequence recomputes from its tokens, which are all target 
 
 Finishing inside an accepted run: tokens are emitted one at a time with the engine's own checks
 (EOS, stop token, max_tokens, max_model_len: `num_emitted` stops at the first that ends the
-sequence) and stop strings are matched token by token (engine `_detokenize`), so a sequence ends at
-the same token as without speculation; its later accepted tokens are dropped.
+sequence) and stop strings are matched token by token (serving/outputs.py `detokenize`), so a
+sequence ends at the same token as without speculation; its later accepted tokens are dropped.
 
 Budget and shapes: draft tokens count against the step's token budget; they are scheduled after
 every decode got its one token and before prefill chunks (scheduler `_add_drafts`). A verifying
@@ -40,9 +40,9 @@ Not drafted (decoded one token at a time, as without speculation): requests with
 transforms or structured output (`needs_logits_inputs`: their per-row inputs depend on the
 tokens before the row, which the draft has not confirmed yet).
 
-Rejection mode (seed 001, `verify="rejection"`, `rejection_sample`): accept draft d with
-probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness keyed by (seed,
-position) on streams of its own. It preserves the target's distribution, not its bits (an
+Rejection mode (seed 001, `verify="rejection"`, serving/rejection.py `rejection_sample`): accept
+draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness keyed
+by (seed, position) on streams of its own. It preserves the target's distribution, not its bits (an
 accepted draft is the draft's draw), so it alone changes the system fingerprint. For n-gram
 drafts q is one-hot: the rule accepts with probability p(d), exactly exact mode's acceptance,
 which also keeps the bits (docs/speculative.md).
@@ -50,13 +50,14 @@ which also keeps the bits (docs/speculative.md).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from jdet.spec_config import SpeculativeConfig
+from serving.draft_model import ModelDraft
+from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence, Status
 
 
@@ -125,7 +126,7 @@ class Speculator:
         if self.config.method != "ngram":
             self.model_draft = ModelDraft(self.config, runner, invariance)
         if self.rejection:
-            fn = rejection_step(runner.cfg, invariance, _mesh_of(runner), False)
+            fn = rejection_step(runner.cfg, invariance, mesh_of(runner), False)
             runner.step_fn = RejectionStep(fn, runner.cfg.vocab_size, self.model_draft is not None)
 
     def verify_inputs(self, plan: list[tuple[Sequence, int]], prepared: tuple) -> tuple:
@@ -211,6 +212,37 @@ class Speculator:
         if self.model_draft is not None:
             self.model_draft.warmup()
 
+    def accept_drafts(
+        self,
+        plan: list[tuple[Sequence, int]],
+        res: dict,
+        nrows: list[int],
+        append: Callable[[Sequence, dict, int], int],
+        ends: Callable[[Sequence, int, int], bool],
+    ) -> tuple[list, list]:
+        """After a step (the engine's `_apply`): for each verify in `plan`, append the accepted
+        drafts now (`append(seq, res, row)`, before `advance`, so that pages they fill hash the
+        right tokens; `ends(seq, tok, m)`: the engine's finishing checks). Returns the plan with
+        each verify cut to its computed tokens (x and the accepted drafts) and each entry's row
+        holding its next token (for a verify, the target's own)."""
+        out, rows, r0 = [], [], 0
+        for (seq, n), r in zip(plan, nrows, strict=True):  # r: the rows `prepare` gave it
+            last = r0 + r - 1
+            if r > 1 and seq.status is Status.RUNNING:
+                drafts = seq.draft_token_ids[: r - 1]
+                if self.rejection:  # rows emit accepted drafts / residual draws
+                    self.rewrite(res, r0, drafts)
+                toks = [int(t) for t in res["tokens"][r0 : r0 + r]]
+                m = self.num_emitted(seq, drafts, toks, lambda t, j, s=seq: ends(s, t, j))
+                for i in range(r0, r0 + m - 1):
+                    append(seq, res, i)
+                n, last = m, r0 + m - 1
+            seq.draft_token_ids = []
+            out.append((seq, n))
+            rows.append(last)
+            r0 += r
+        return out, rows
+
     def num_emitted(
         self, seq: Sequence, drafts: list[int], tokens: list[int], ends: Callable[[int, int], bool]
     ) -> int:
@@ -278,332 +310,3 @@ class SpecCollector:
             "Mean tokens emitted per verify (accepted drafts + the target's own)",
             st["mean_accepted_length"],
         )
-
-
-class ModelDraft:
-    """Drafts from a model, k single-token passes per step, batched over the verifying
-    sequences, each pass one shape of the target's shape set (so warm-up covers it):
-
-    - "self": the target's first L layers + its final norm and LM head. The target's step function
-      runs on the parameters with the layer stack cut to L; it shares the target's KV cache,
-      whose layers < L already hold exactly the K/V the draft needs (same weights, same inputs).
-      Its writes at the drafted positions are overwritten by the verify step before anyone reads
-      them (K/V are written before attention).
-    - "draft": a separate small model sharing the vocabulary, with its own KV cache laid out on the
-      target's page tables (same page ids and page size: no second block manager). `mirror` runs
-      it on every target step's batch, so its cache holds its K/V for every computed token,
-      prefix-cache pages and recomputed (preempted) sequences included.
-
-    A draft's bits never reach an output in exact mode: it only decides how many rows are used.
-    """
-
-    def __init__(self, config: SpeculativeConfig, runner: Any, invariance: str) -> None:
-        import jax
-
-        self.runner = runner
-        self.method = config.method
-        self.rejection = config.verify == "rejection"
-        cfg = runner.cfg
-        self.vocab_size = cfg.vocab_size
-        if config.method == "self":
-            L = config.draft_layers or max(1, cfg.num_layers // 2)
-            if L >= cfg.num_layers:
-                raise ValueError(
-                    f"draft_layers={L} must be below the model's {cfg.num_layers} layers"
-                )
-            self.num_layers = L
-
-            def cut(x: Any) -> Any:
-                return jax.device_put(x[:L], x.sharding)
-
-            self.params = dict(runner.params)
-            self.params["layers"] = jax.tree_util.tree_map(cut, runner.params["layers"])
-            self.step_fn = runner.step_fn
-            self.kv = None  # the target's cache (runner.kv)
-            if self.rejection:  # the passes also return q, the draft's distribution
-                fn = rejection_step(cfg, invariance, _mesh_of(runner), True)
-                self.step_fn = RejectionStep(fn, cfg.vocab_size, False)
-        else:
-            from jdet.kv_cache import init_kv_cache
-            from jdet.loader import Model, load
-            from serving.model_runner import cached_step_fn
-
-            dm = config.draft_model
-            if dm == "default":  # the embedded model's trained draft (examples/train_draft.py)
-                from jdet.loader import DEFAULT_MODEL_DIR
-
-                dm = DEFAULT_MODEL_DIR / "draft"
-            model = dm if isinstance(dm, Model) else load(dm, dtype=runner.kv_dtype)
-            if model.cfg.vocab_size != cfg.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({model.cfg.vocab_size}) differs from the "
-                    f"target's ({cfg.vocab_size}); a draft must share the tokenizer"
-                )
-            self.cfg = model.cfg
-            self.num_layers = model.cfg.num_layers
-            self.params = model.params
-            num_pages = jax.tree_util.tree_leaves(runner.kv)[0].shape[2]
-            self.kv = init_kv_cache(model.cfg, num_pages, runner.page_size, model.dtype)
-            # the draft's own bits do not matter (exact mode): the simplest runtime, one device
-            mode = "batch" if invariance == "tp" else invariance
-            self.step_fn = cached_step_fn(model.cfg, mode)
-            if self.rejection:  # the passes also return q (the mirror ignores it)
-                fn = rejection_step(model.cfg, mode, None, True)
-                self.step_fn = RejectionStep(fn, model.cfg.vocab_size, False)
-
-    # ------------------------------------------------------------------ device calls
-    def _run(self, batch: Any, sampling: Any) -> Any:
-        r = self.runner
-        if self.kv is None:  # "self": the target's cache, donated and replaced as by a step
-            batch = dataclasses.replace(batch, token_ids=_placed(batch.token_ids, r))
-            r.kv, out = self.step_fn(self.params, r.kv, batch, sampling)
-        else:
-            import jax
-            import jax.numpy as jnp
-
-            if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv)):
-                # a failed step consumed the donated cache (Engine.recover): start it afresh;
-                # only acceptance can suffer until the pages are recomputed, never the bits
-                self.kv = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), self.kv)
-            self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
-        return out
-
-    def _sampling(self, Sp: int, Pp: int, position: np.ndarray, seqs: list = ()) -> Any:
-        """Row i samples as `seqs[i]` does, with its (seed, position) key: the draft shares the
-        target's randomness, so where the two distributions are close the Gumbel-max draws agree
-        (greedy rows: argmax). Other rows are greedy."""
-        from jdet.step import SamplingInputs
-
-        temp = np.zeros(Sp, np.float32)
-        top_k = np.zeros(Sp, np.int32)
-        top_p = np.ones(Sp, np.float32)
-        seed = np.zeros(Sp, np.uint32)
-        for i, seq in enumerate(seqs):
-            o = seq.options
-            temp[i], top_k[i], top_p[i], seed[i] = o.temperature, o.top_k, o.top_p, seq.seed
-        logits = self.runner.logits_rows.neutral(Sp, Pp * self.runner.page_size)
-        return SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=position,
-            logits=logits if self.kv is None else None,
-        )  # fmt: skip
-
-    def mirror(self, prepared: Any) -> None:
-        if self.kv is None:
-            return  # "self" shares the target's cache, written by the target's step
-        batch, sampling = prepared
-        if isinstance(sampling, SpecSampling):
-            sampling = sampling.inputs
-        Sp = sampling.temperature.shape[0]
-        Pp = batch.page_table.shape[1]
-        self._run(batch, self._sampling(Sp, Pp, np.zeros(Sp, np.int32)))
-
-    def warmup(self) -> None:
-        """Compile the draft's passes (and a draft model's mirror) for every shape of the set."""
-        import jax
-
-        r = self.runner
-        for shape in r.shapes.all():
-            batch, sampling = r.warmup_batch(shape, "step")
-            Sp, Pp = shape[1], shape[2]
-            out = self._run(batch, self._sampling(Sp, Pp, np.asarray(sampling.position)))
-            jax.block_until_ready(out)
-
-    def draft(self, items: list[tuple[Sequence, int]]) -> tuple[dict, dict]:
-        """k draft tokens for each (sequence, k), sampled as the sequence samples: pass j feeds
-        every sequence with k > j its token at position num_tokens - 1 + j (its last token,
-        then its drafts)."""
-        import jax
-
-        from jdet.batch import StepBatch
-
-        r = self.runner
-        B = r.page_size
-        got: dict[Sequence, list[int]] = {seq: [] for seq, _ in items}
-        dists: dict[Sequence, list[np.ndarray]] = {seq: [] for seq, _ in items}
-        for j in range(max(k for _, k in items)):
-            active = [seq for seq, k in items if k > j]
-            S = len(active)
-            Tp, Sp, Pp = r.shapes.fit(S, S, max(len(s.block_table) for s in active))
-            tok = np.zeros(Tp, np.int32)
-            pos = np.zeros(Tp, np.int32)
-            slot = np.full(Tp, -1, np.int32)
-            qs = np.full(Sp + 1, S, np.int32)
-            qs[: S + 1] = np.arange(S + 1, dtype=np.int32)
-            cl = np.zeros(Sp, np.int32)
-            pt = np.zeros((Sp, Pp), np.int32)
-            rows = np.zeros(Sp, np.int32)
-            rows[:S] = np.arange(S, dtype=np.int32)
-            for i, seq in enumerate(active):
-                p = seq.num_tokens - 1 + j
-                pages = np.asarray(seq.block_table, np.int32)
-                tok[i] = got[seq][-1] if j else seq.token_ids[-1]
-                pos[i] = p
-                slot[i] = pages[p // B] * B + p % B
-                cl[i] = p + 1
-                pt[i, : len(pages)] = pages
-            r.shapes_seen.add((Tp, Sp, Pp))
-            out = self._run(StepBatch(tok, pos, slot, qs, cl, pt, rows),
-                            self._sampling(Sp, Pp, cl.copy(), active))  # fmt: skip
-            toks = np.asarray(jax.device_get(out.tokens))[:S]
-            for seq, t in zip(active, toks, strict=True):
-                got[seq].append(int(t))
-            if self.rejection:  # q of each draft token (rejection mode needs the distribution)
-                probs = np.asarray(jax.device_get(out.probs))[:S]
-                for seq, q in zip(active, probs, strict=True):
-                    dists[seq].append(q)
-        return got, dists
-
-
-def _placed(token_ids: Any, runner: Any) -> Any:
-    """Host token ids placed as the target's step expects them (ModelRunner.dispatch)."""
-    import jax
-
-    if isinstance(token_ids, np.ndarray):
-        return jax.device_put(token_ids, runner.token_sharding)
-    return token_ids
-
-
-
-# ---------------------------------------------------------------------- rejection verification
-def _pytree(cls: type) -> type:
-    import jax
-
-    return jax.tree_util.register_dataclass(dataclasses.dataclass(cls))
-
-
-@_pytree
-class SpecSampling:
-    """A rejection-mode step's sampling inputs: the usual ones, plus per sampled row the draft
-    token the row judges (-1: none) and, for a model draft, the draft's distribution q there
-    (None for n-gram drafts: q is one-hot at the draft token)."""
-
-    inputs: Any  # SamplingInputs [S]
-    draft: Any  # i32[S]
-    q: Any = None  # f32[S, V] or None
-
-
-@_pytree
-class SpecSampleOut:
-    """SampleOut's fields (the rows' own samples: the bonus token) plus, per row, the rejection
-    rule's outcome for its draft and the processed distribution (`probs`, drafts only)."""
-
-    tokens: Any
-    logprobs: Any
-    top_ids: Any
-    top_logprobs: Any
-    accept: Any  # bool[S]: u < p(d) / q(d), u keyed by (seed, position, 1)
-    resid: Any  # i32[S]: a draw from norm(max(0, p - q)), Gumbel keyed by (seed, position, 2)
-    resid_lp: Any  # f32[S]: raw log-prob of `resid`
-    draft_lp: Any  # f32[S]: raw log-prob of the draft token
-    probs: Any = None  # f32[S, V]: p, the processed distribution (when asked: a draft's q)
-
-
-def target_probs(logits: Any, inp: Any, ops: Any) -> Any:
-    """p per row: the distribution `jdet.sampling.sample` draws from (temperature, top-k, top-p;
-    greedy rows one-hot at the argmax). Rows with logits transforms are never drafted."""
-    import jax.numpy as jnp
-
-    from jdet.sampling import _filter_top_k_top_p
-
-    temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
-    scaled = _filter_top_k_top_p(logits / temp[:, None], inp.top_k, inp.top_p, ops)
-    p = jnp.exp(ops.log_softmax(scaled))
-    greedy = jnp.argmax(logits, axis=-1)
-    onehot = jnp.arange(logits.shape[-1])[None, :] == greedy[:, None]
-    return jnp.where((inp.temperature > 0)[:, None], p, onehot.astype(p.dtype))
-
-
-def rejection_sample(logits: Any, s: SpecSampling, ops: Any, want_probs: bool) -> SpecSampleOut:
-    """The seed's rule per row: accept draft d with probability min(1, p(d) / q(d)), else draw
-    from norm(max(0, p - q)); randomness keyed by (seed, position) on streams of its own."""
-    import jax
-    import jax.numpy as jnp
-
-    from jdet.sampling import row_keys, sample
-
-    logits = logits.astype(jnp.float32)
-    out = sample(logits, s.inputs, ops)
-    inp = s.inputs
-    N, V = logits.shape
-    logp = ops.log_softmax(logits)
-    p = target_probs(logits, inp, ops)
-    d = jnp.maximum(s.draft, 0)
-    onehot = (jnp.arange(V)[None, :] == d[:, None]).astype(jnp.float32)
-    q = onehot if s.q is None else s.q.astype(jnp.float32)
-    pd = jnp.take_along_axis(p, d[:, None], axis=-1)[:, 0]
-    qd = jnp.take_along_axis(q, d[:, None], axis=-1)[:, 0]
-    keys = row_keys(inp.seed, inp.position)
-    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), ()))(keys)
-    accept = (u * qd < pd) & (s.draft >= 0)
-    resid = jnp.maximum(p - q, 0.0)
-    g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,)))(keys)
-    score = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)) + g, -jnp.inf)
-    rtok = jnp.argmax(score, axis=-1).astype(jnp.int32)
-    take = lambda t: jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0]  # noqa: E731
-    return SpecSampleOut(
-        out.tokens, out.logprobs, out.top_ids, out.top_logprobs, accept, rtok, take(rtok),
-        take(d), p if want_probs else None,
-    )  # fmt: skip
-
-
-_REJ_FNS: dict = {}
-
-
-def rejection_step(cfg: Any, invariance: str, mesh: Any, want_probs: bool) -> Callable:
-    """step(params, kv, batch, SpecSampling) -> (kv, SpecSampleOut): the target's forward (its
-    runtime: `mesh` for the sharded one, else one device) and `rejection_sample`."""
-    key = (cfg, invariance, mesh, want_probs)
-    if key in _REJ_FNS:
-        return _REJ_FNS[key]
-    import functools
-
-    import jax
-
-    from jdet.model import forward
-
-    if mesh is None:
-        from jdet.ops import Ops
-
-        ops, gather = Ops(invariance=invariance), None
-    else:
-        from sharding.mesh import tp_size
-        from sharding.tp import _gather_vocab, make_tp_ops
-
-        ops, gather = make_tp_ops(invariance, tp_size(mesh)), _gather_vocab
-
-    def body(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
-        kv, logits = forward(params, cfg, kv, batch, ops)
-        if gather is not None:
-            logits = gather(logits)[:, : cfg.vocab_size]
-        return kv, rejection_sample(logits, s, ops, want_probs)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
-        if mesh is None:
-            return body(params, kv, batch, s)
-        from sharding.tp import _wrap
-
-        return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, s)
-
-    _REJ_FNS[key] = step
-    return step
-
-
-class RejectionStep:
-    """The runner's step in rejection mode: takes plain SamplingInputs too (warm-up, steps with
-    no verify), as rows without a draft (and q = 0 rows for a model draft's engine)."""
-
-    def __init__(self, fn: Callable, vocab_size: int, with_q: bool) -> None:
-        self.fn, self.V, self.with_q = fn, vocab_size, with_q
-
-    def __call__(self, params: dict, kv: dict, batch: Any, sampling: Any) -> tuple:
-        if not isinstance(sampling, SpecSampling):
-            S = sampling.temperature.shape[0]
-            q = np.zeros((S, self.V), np.float32) if self.with_q else None
-            sampling = SpecSampling(sampling, np.full(S, -1, np.int32), q)
-        return self.fn(params, kv, batch, sampling)
-
-
-def _mesh_of(runner: Any) -> Any:
-    """The runner's mesh (sharded runtime), or None (one device)."""
-    return getattr(runner.token_sharding, "mesh", None)

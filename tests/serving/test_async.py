@@ -88,8 +88,8 @@ def test_async_scheduling_gives_the_synchronous_bits(serving_model, monkeypatch)
 def test_async_scheduling_setting_resolves_by_backend(monkeypatch):
     """'auto' (the default) dispatches ahead on a GPU only; 'on'/'off' and bools force it; any
     other value is refused by name."""
+    from jdet.settings import resolve_async
     from pallas_kernels import _platform
-    from serving.engine import resolve_async
 
     assert resolve_async("auto") is False  # this CPU
     assert resolve_async("on") is True and resolve_async(True) is True

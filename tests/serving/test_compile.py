@@ -223,7 +223,7 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
 
 
 def test_shape_set_is_bounded_and_covers_every_step():
-    from serving.model_runner import ShapeSet
+    from serving.shapes import ShapeSet
 
     s = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512)
     assert s.tokens == (16, 32, 64, 128, 256, 512) and s.pages == (32, 128, 512)

@@ -269,7 +269,7 @@ def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(ser
 def test_negative_control_without_attribution_the_fault_ends_every_request(serving_model):
     """The same fault, with culprit-finding disabled: the step fails for all, which the test
     above would see as missing outputs. The engine still recovers to a clean, usable state."""
-    from serving.engine import EngineStepError
+    from serving.faults import EngineStepError
 
     eng, reqs, fired = _fault_scenario(serving_model, isolate=False)
     with pytest.raises(EngineStepError, match="OverflowError"):
@@ -285,7 +285,7 @@ def test_negative_control_without_attribution_the_fault_ends_every_request(servi
 def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(serving_model):
     """A failing device step (here: the dispatch raises) is nobody's fault: every request ends,
     the pages and prefix cache are reset, and later requests get the same bits as before."""
-    from serving.engine import EngineStepError
+    from serving.faults import EngineStepError
     from tests.serving.test_engine_invariance import bits
 
     eng = make_engine(serving_model, "tp")
