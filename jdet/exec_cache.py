@@ -162,8 +162,18 @@ class CachedFn:
                     path, type(e).__name__, e,
                 )  # fmt: skip
         if exe is None:
+            from jdet import compile_cache
+
+            hits = compile_cache.stats().cache_hits
             exe = self.fn.lower(*args).compile()
-            self._write(path, parts, exe)
+            if compile_cache.stats().cache_hits > hits and jax.default_backend() == "cpu":
+                # An XLA:CPU executable that JAX's persistent compilation cache loaded (rather
+                # than compiled) serializes, and even deserializes, but fails when run
+                # ("NOT_FOUND: Function ... not found", JAX 0.10.2): write no entry a restart
+                # would break on. The XLA cache still serves this shape on the next start.
+                log.info("jdet exec cache: %s came from the XLA cache on a CPU; not written", path)
+            else:
+                self._write(path, parts, exe)
         self._exes[sig] = exe
         self._params, self._params_sig = args[0], args_signature([args[0]])
         return how

@@ -13,6 +13,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jdet import compile_cache, exec_cache, exec_key
 
@@ -21,6 +22,16 @@ def toy_step(params, kv, batch, extra):
     """A step-shaped function: the 'cache' is donated and updated, a sum is taken over rows."""
     kv = {"k": kv["k"] + batch["x"][:, None] * params["w"][0]}
     return kv, (jnp.tanh(kv["k"] @ params["w"]) * extra).sum(axis=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_xla_persistent_cache(monkeypatch):
+    """These tests exercise jdet's executable cache alone: an earlier test (or another pytest-xdist
+    process) may have enabled JAX's persistent compilation cache and put the toy step in it, and
+    on a CPU an executable loaded from there is not written (jdet/exec_cache.py `warm`)."""
+    from jax._src import compilation_cache
+
+    monkeypatch.setattr(compilation_cache, "is_cache_used", lambda backend: False)
 
 
 def fresh_jit():
