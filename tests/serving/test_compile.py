@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -211,7 +212,10 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == 2
     assert "step" not in warm["traced"] and warm["exec"]["loads"] == 1
     # the corrupt score entry: a warning, a compile (an XLA cache hit), the entry rewritten
-    assert warm["exec"]["errors"] == 1 and warm["exec"]["writes"] == 1
+    # (on a CPU the entry is not rewritten: an executable JAX's persistent cache loaded fails
+    # when run after a round trip, jdet/exec_cache.py `warm`; elsewhere it is)
+    assert warm["exec"]["errors"] == 1
+    assert warm["exec"]["writes"] == (0 if jax.default_backend() == "cpu" else 1)
     assert "jdet exec cache: could not use" in warm["stderr"] and warm["traced"]["score"] == 1
     assert [off["exec"][k] for k in ("loads", "writes", "errors")] == [0, 0, 0]
     for other in (warm, off):

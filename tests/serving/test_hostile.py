@@ -54,6 +54,10 @@ def hostile_server(serving_model):
     while not server.started and time.time() < deadline:
         time.sleep(0.05)
     assert server.started, "the in-process server did not start"
+    deadline = time.time() + 600  # warm-up compiles the shape set in the background (503 meanwhile)
+    while httpx.get(base + "/health", timeout=10).status_code != 200 and time.time() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(base + "/health", timeout=10).status_code == 200, "the server never got warm"
     yield base, eng
     server.should_exit = True
     thread.join(timeout=15)
