@@ -302,6 +302,12 @@ class SpecCollector:
             "jdet_spec_accepted_tokens", "Draft tokens accepted", st["accepted_tokens"]
         )
         yield CounterMetricFamily("jdet_spec_verifies", "Sequence verifies", st["verifies"])
+        yield CounterMetricFamily(
+            "jdet_spec_rejected_tokens",
+            "Verifies that ended on a draft the target did not draw (alpha's denominator is "
+            "accepted + rejected)",
+            st["rejected_tokens"],
+        )
         yield GaugeMetricFamily(
             "jdet_spec_acceptance_rate", "Accepted / verified draft tokens", st["acceptance_rate"]
         )

@@ -291,6 +291,7 @@ def test_metrics_report_acceptance(serving_model):
     assert f"jdet_spec_accepted_tokens_total {float(st['accepted_tokens'])}" in text
     assert f"jdet_spec_acceptance_rate {st['acceptance_rate']}" in text
     assert "jdet_spec_mean_accepted_length" in text
+    assert f"jdet_spec_rejected_tokens_total {float(st['rejected_tokens'])}" in text
     assert "jdet_spec" not in make_engine(serving_model).metrics.render().decode()
 
 
