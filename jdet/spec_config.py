@@ -29,6 +29,14 @@ class SpeculativeConfig:
     verify: "exact" (default: accept draft i iff it equals the token the target samples there
         with its (seed, position) key, so the output is bitwise that of non-speculative decoding)
         or "rejection" (the standard accept-with-min(1, p/q) rule: same distribution, other bits).
+    min_alpha: adaptive K (serving/spec_adaptive.py): a request whose running per-position
+        acceptance falls below this decodes without drafts (K = 0), so that steps where no
+        request drafts are dispatched ahead (async scheduling) like plain decoding; it drafts
+        again once its acceptance, still measured, recovers. 0: always draft. Changes no bit in
+        exact mode (which steps verify never does).
+    probe_every: with a model draft, a fallen-back request verifies one step's drafts again
+        after this many tokens to re-measure its acceptance (n-gram drafts are re-measured on
+        the host at every token, at no device cost).
     """
 
     method: str = "ngram"
@@ -38,6 +46,8 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_layers: int | None = None
+    min_alpha: float = 0.3
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +66,10 @@ class SpeculativeConfig:
         _int(self.num_tokens, "num_tokens", 1, MAX_NUM_TOKENS)
         _int(self.ngram_min, "ngram_min", 1, 64)
         _int(self.ngram_max, "ngram_max", self.ngram_min, 64)
+        _int(self.probe_every, "probe_every", 1, 1 << 16)
+        a = self.min_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"speculative min_alpha must be a number in [0, 1], got {a!r}")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative method='draft' needs draft_model (a path or jdet.Model)")
         if self.method != "draft" and self.draft_model is not None:
@@ -104,6 +118,11 @@ def add_flags(p: Any) -> None:
     )  # fmt: skip
     p.add_argument("--speculative-draft-model", default=None, help="draft model directory")
     p.add_argument(
+        "--speculative-min-alpha", type=float, default=SpeculativeConfig.min_alpha,
+        help="a request whose draft acceptance falls below this decodes without drafts (and "
+        "async) until it recovers; 0: always draft (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
         "--speculative-draft-layers", type=int, default=None,
         help="layers of the 'self' draft (default: half the model's)",
     )  # fmt: skip
@@ -122,6 +141,7 @@ def from_args(a: Any) -> SpeculativeConfig | None:
         verify=a.speculative_verify,
         draft_model=a.speculative_draft_model,
         draft_layers=a.speculative_draft_layers,
+        min_alpha=a.speculative_min_alpha,
     )
 
 

@@ -128,6 +128,11 @@ class ModelDraft:
         batch, sampling = prepared
         if isinstance(sampling, SpecSampling):
             sampling = sampling.inputs
+        if not isinstance(batch.token_ids, np.ndarray):  # a dispatched-ahead step's (adaptive K)
+            import jax  # tokens on the target's devices; the draft runs on one
+
+            tok = jax.device_put(batch.token_ids, jax.devices()[0])
+            batch = dataclasses.replace(batch, token_ids=tok)
         Sp = sampling.temperature.shape[0]
         Pp = batch.page_table.shape[1]
         self._run(batch, self._sampling(Sp, Pp, np.zeros(Sp, np.int32)))

@@ -39,7 +39,7 @@ from serving.sampling_options import InvalidRequest, SamplingOptions, check_prom
 from serving.scheduler import Scheduler
 from serving.sequence import Request, Sequence, Status, derive_seed
 from serving.shapes import kv_pool
-from serving.speculative import num_rows
+from serving.speculative import SpecCollector, Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
 
@@ -98,8 +98,6 @@ class Engine(FaultIsolation):
         self.speculative = SpeculativeConfig.from_any(speculative)
         self.speculator = None  # speculative decoding (issue 13): drafts + acceptance
         if self.speculative is not None:
-            from serving.speculative import Speculator
-
             self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(
@@ -133,8 +131,6 @@ class Engine(FaultIsolation):
         self.metrics = EngineMetrics(keep_raw=keep_raw_metrics)
         self.metrics.kv_pages_total.set(num_pages)
         if self.speculator is not None:  # acceptance in /metrics (issue 13)
-            from serving.speculative import SpecCollector
-
             self.metrics.registry.register(SpecCollector(self.speculator))
         self.eos_token_ids = set(self.cfg.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None:
@@ -237,7 +233,7 @@ class Engine(FaultIsolation):
                         self.speculator.mirror(prepared)
             # sampled rows per entry, fixed now (`_report` may end a sequence meanwhile)
             nrows = [num_rows(s, n) for s, n in plan] if self.speculator else [1] * len(plan)
-            if plan and self.async_scheduling and self.speculator is None:
+            if plan and self.async_scheduling:  # speculating: only without drafts (issue 13)
                 self._inflight = self._dispatch_ahead(plan, out)
             outputs = self._report()  # overlaps with the device
             if plan:
@@ -271,6 +267,8 @@ class Engine(FaultIsolation):
         sched = self.scheduler
         if sched.waiting or len(plan) != len(sched.running):
             return None
+        if self.speculator is not None and not self.speculator.can_run_ahead(plan):
+            return None  # a verify's successor depends on how many drafts it accepts (issue 13)
         for seq, n in plan:
             o = seq.options
             if seq.status is not Status.RUNNING or n != seq.num_uncomputed:
@@ -286,6 +284,8 @@ class Engine(FaultIsolation):
         if prepared is None:
             return None
         self.num_steps_ahead += 1
+        if self.speculator is not None:  # rejection mode's inputs; a draft model's cache follows
+            prepared = self.speculator.ahead(nxt, prepared)
         return nxt, self.runner.dispatch(*prepared)
 
     def _apply(self, plan: list[tuple[Sequence, int]], res: dict, nrows: list[int]) -> None:

@@ -59,6 +59,7 @@ from jdet.spec_config import SpeculativeConfig
 from serving.draft_model import ModelDraft
 from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence, Status
+from serving.spec_adaptive import AdaptiveK
 
 
 def num_rows(seq: Sequence, n: int) -> int:
@@ -102,6 +103,32 @@ class Speculator:
         self._q: dict[Sequence, list] = {}  # rejection mode, model drafts: q of each draft
         self.reset_stats()
         self.model_draft: ModelDraft | None = None  # "self" / "draft" (`attach`)
+        self.adaptive: AdaptiveK | None = None  # K = 0 at low acceptance: spec_adaptive.py
+        if config.min_alpha > 0:
+            look = None if config.method != "ngram" else self._lookup
+            self.adaptive = AdaptiveK(config.min_alpha, config.probe_every, look)
+
+    def _lookup(self, tokens: list[int]) -> int | None:
+        """The n-gram draft's first token for context `tokens` (adaptive K's host measure)."""
+        d = ngram_draft(tokens, 1, self.config.ngram_min, self.config.ngram_max)
+        return d[0] if d else None
+
+    def can_run_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step after `plan` may be dispatched before `plan`'s tokens reach the host
+        (`Engine._dispatch_ahead`): only when adaptive K has every sequence of it decoding
+        without drafts (a verify's successor depends on how many drafts it accepts)."""
+        a = self.adaptive
+        if a is None:
+            return False
+        a.observe(seq for seq, _ in plan)  # host work while the device runs `plan`
+        return all(a.fallen_back(seq) for seq, _ in plan)
+
+    def ahead(self, plan: list[tuple[Sequence, int]], prepared: tuple) -> tuple:
+        """A dispatched-ahead decode step's inputs (rejection mode: its step's, no draft) and a
+        draft model's mirror of it, so its cache holds these tokens' K/V when it drafts again."""
+        prepared = self.verify_inputs(plan, prepared)
+        self.mirror(prepared)
+        return prepared
 
     def reset_stats(self) -> None:
         """Counters (metrics): verifies, drafts proposed, accepted, rejected (a verify that
@@ -185,10 +212,14 @@ class Speculator:
             if seq.options.needs_logits_inputs:
                 continue  # module docstring: rows depend on unconfirmed tokens
             k = self.room(seq)
+            if k > 0 and self.adaptive is not None and not self.adaptive.drafts(seq):
+                continue  # low acceptance: K = 0, a plain decode (serving/spec_adaptive.py)
             if k > 0 and self.model_draft is not None:
                 seq.draft_token_ids = [-1] * k
             elif k > 0:
                 seq.draft_token_ids = ngram_draft(seq.token_ids, k, c.ngram_min, c.ngram_max)
+                if not seq.draft_token_ids and self.adaptive is not None:
+                    self.adaptive.record_verify(seq, 0, 1)  # no draft: a miss for the estimate
 
     def fill(self, plan: list[tuple[Sequence, int]]) -> None:
         """After scheduling: a model draft's tokens for each verify in `plan` (k = n - 1)."""
@@ -249,18 +280,21 @@ class Speculator:
         """Tokens of `tokens` (the target's samples t_0..t_k of one verify) to emit: up to and
         including the first mismatch with `drafts` or the first token that ends the sequence
         (`ends(tok, m)`: whether `tok` as the m-th new token finishes it). Exact rule."""
-        m = accepted = 0
+        m = accepted = rejected = 0
         while True:
             tok = tokens[m]
             m += 1
             if m > len(drafts):
                 break  # every draft accepted: the target's bonus token
             if tok != drafts[m - 1]:
-                self.num_rejected_tokens += 1
+                rejected = 1
                 break  # the target's own token in place of the rejected draft
             accepted += 1
             if ends(tok, m):
                 break
+        self.num_rejected_tokens += rejected
+        if self.adaptive is not None:
+            self.adaptive.record_verify(seq, accepted, rejected)
         self.num_verifies += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted

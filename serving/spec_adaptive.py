@@ -1,0 +1,123 @@
+"""Adaptive K for speculative decoding: a request whose drafts keep being rejected stops drafting
+(K = 0) and decodes as a plain request, so the engine can dispatch ahead again (async scheduling).
+
+Why. A speculative step must reach the host before the next one is built (the next input tokens
+depend on how many drafts were accepted), so speculation costs the engine its async dispatch; on
+an H100 that costs 16 % of an 8B decode step and a third of the embedded model's. A request whose
+drafts are mostly rejected pays that and gets ~1 token per step back: it decodes faster without
+drafts. When every running sequence has stopped drafting, the steps are plain decode steps and the
+engine dispatches each before the previous one's tokens reach the host (`Engine._dispatch_ahead`).
+
+Why it changes no bit (exact mode). How many drafts a step verifies for a sequence, zero
+included, never changes a token: every emitted token is the target's keyed sample at its
+position (serving/speculative.py), and a dispatched-ahead step is the same decode step with its
+input token on the device (tests/serving/test_async.py). tests/serving/test_spec_adaptive.py
+compares with np.array_equal.
+
+The estimate: per sequence, a decayed count of accepted drafts over drafts reached (the seed's
+per-position alpha), updated by every verify (`record_verify`); an n-gram lookup that finds no
+draft counts as one rejected draft. Below `min_alpha` (after `WARMUP` reached drafts) the
+sequence falls back. While it is fallen back its alpha keeps being measured:
+  - n-gram drafts, on the host, for free: for each token it got, whether the lookup on the
+    tokens before it would have proposed it (`observe`, run while the device computes a step);
+  - model drafts (a pass of the draft costs device time): every `probe_every` tokens it verifies
+    one step's drafts again (a probe), whose outcome updates the estimate.
+It drafts again as soon as its estimate reaches `min_alpha`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterable
+
+from serving.sequence import Sequence
+
+DECAY = 0.8  # weight of the past per verify (or observed token): about the last 5 count
+WARMUP = 4  # drafts reached before a sequence may fall back
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """One sequence's decayed acceptance counts and where the host's look at its tokens is."""
+
+    accepted: float = 0.0
+    reached: float = 0.0
+    num_reached: int = 0  # undecayed, for WARMUP
+    seen: int | None = None  # tokens already accounted for (None: sync at the next look)
+    idle: int = 0  # tokens decoded without drafts since the last verify (model drafts' probe)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.reached if self.reached else 1.0
+
+    def add(self, accepted: int, reached: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.reached = DECAY * self.reached + reached
+        self.num_reached += reached
+
+
+class AdaptiveK:
+    """Decides per sequence whether it drafts this step (`drafts`); see the module docstring.
+    `lookup(tokens)`: the n-gram draft's first token for a context, or None (None for model
+    drafts: they are probed instead)."""
+
+    def __init__(
+        self, min_alpha: float, probe_every: int, lookup: Callable[[list[int]], int | None] | None
+    ) -> None:
+        self.min_alpha = min_alpha
+        self.probe_every = probe_every
+        self.lookup = lookup
+        self.state: weakref.WeakKeyDictionary[Sequence, Acceptance] = weakref.WeakKeyDictionary()
+        self.num_fallback_steps = 0  # sequence-steps decoded without drafts by this policy
+        self.num_shadow_checks = 0  # tokens measured on the host while fallen back
+
+    def _of(self, seq: Sequence) -> Acceptance:
+        st = self.state.get(seq)
+        if st is None:
+            st = self.state[seq] = Acceptance(seen=len(seq.token_ids))
+        return st
+
+    def fallen_back(self, seq: Sequence) -> bool:
+        """Whether `seq` decodes without drafts now (estimate below min_alpha, no probe due)."""
+        st = self._of(seq)
+        if st.num_reached < WARMUP or st.alpha >= self.min_alpha:
+            return False
+        return self.lookup is not None or st.idle < self.probe_every
+
+    def observe(self, seqs: Iterable[Sequence]) -> None:
+        """Account the tokens each sequence got since the last look: while it is fallen back,
+        n-gram drafts measure whether the lookup would have proposed each token, model drafts
+        count the tokens towards the next probe. Host work only; the engine runs it while the
+        device computes a step."""
+        for seq in seqs:
+            st = self._of(seq)
+            n = len(seq.token_ids)
+            if st.seen is None or n <= st.seen or not self.fallen_back(seq):
+                st.seen = n
+                continue
+            for i in range(st.seen, n):
+                if self.lookup is None:
+                    st.idle += 1
+                    continue
+                self.num_shadow_checks += 1
+                st.add(int(self.lookup(seq.token_ids[:i]) == seq.token_ids[i]), 1)
+                if not self.fallen_back(seq):
+                    break  # drafting again: later tokens are the verifies' to count
+            st.seen = n
+
+    def drafts(self, seq: Sequence) -> bool:
+        """Whether `seq` should get drafts this step (False counts a fallback step)."""
+        self.observe([seq])
+        if self.fallen_back(seq):
+            self.num_fallback_steps += 1
+            return False
+        return True
+
+    def record_verify(self, seq: Sequence, accepted: int, rejected: int) -> None:
+        """A verify's outcome (or, with rejected=1 and accepted=0, an n-gram lookup that found
+        nothing). The tokens it brings are not observed again."""
+        st = self._of(seq)
+        st.add(accepted, accepted + rejected)
+        st.idle = 0
+        st.seen = None

@@ -1,0 +1,164 @@
+"""Adaptive K (serving/spec_adaptive.py): a request whose drafts keep being rejected decodes
+without drafts, and steps where no request drafts are dispatched ahead (async scheduling).
+Neither may change a bit in exact mode: each run is compared with the plain synchronous engine
+with np.array_equal (tokens, log-probs, top log-probs, text, finish reasons), and each checks
+that the paths it is about were taken (verifies AND dispatched-ahead steps in one run).
+Negative control: ahead steps fed the wrong rows' tokens inside a speculative engine differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jdet.spec_config import SpeculativeConfig
+from serving.sampling_options import SamplingOptions
+from serving.sequence import Sequence
+from serving.spec_adaptive import WARMUP, AdaptiveK
+from tests.serving.test_speculative import (
+    PARAMS,
+    PROMPTS,
+    assert_same,
+    make_engine,
+    random_draft,  # noqa: F401 - a fixture: a random draft model (mostly rejected drafts)
+    run,
+)
+
+
+def requests() -> list[tuple[str, list[int], dict]]:
+    """A copy-heavy request (drafts accepted) beside random ones (drafts rejected), greedy and
+    seeded, n = 2 and EOS included."""
+    return [
+        ("copy/greedy", PROMPTS["copy"], PARAMS["greedy"]),
+        ("random/greedy", PROMPTS["random"], PARAMS["greedy"]),
+        ("random/sampled", PROMPTS["random"], PARAMS["sampled"]),
+        ("copy2/sampled_n2", PROMPTS["copy2"], PARAMS["sampled_n2"]),
+        ("random/eos", PROMPTS["random"], PARAMS["eos"]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain(serving_model) -> dict:
+    return run(make_engine(serving_model), requests())
+
+
+def random_only() -> list[tuple[str, list[int], dict]]:
+    return [r for r in requests() if r[0].startswith("random")]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_adaptive_k_with_async_dispatch_keeps_the_bits(serving_model, plain, method, request):
+    """Batched: the copy request drafts (verifies), the random ones fall back (K = 0); once only
+    fallen-back requests run, their steps go ahead of the host. Same bits as plain decoding.
+    Model drafts: the target's first layer, or a random model (its cache mirrors ahead steps)."""
+    spec = SpeculativeConfig(min_alpha=0.5, probe_every=4)
+    if method == "self":
+        spec = SpeculativeConfig(method="self", draft_layers=1, min_alpha=0.5, probe_every=4)
+    elif method == "draft":
+        dm = request.getfixturevalue("random_draft")
+        spec = SpeculativeConfig(method="draft", draft_model=dm, min_alpha=0.5, probe_every=4)
+    eng = make_engine(serving_model, spec, async_scheduling="on")
+    got = run(eng, requests())
+    assert_same(got, plain)
+    st = eng.speculator.stats()
+    assert st["verifies"] > 0 and st["accepted_tokens"] > 0, st
+    assert eng.speculator.adaptive.num_fallback_steps > 0
+    assert eng.num_steps_ahead > 0  # speculation no longer turns async dispatch off
+
+    if method != "ngram":
+        return
+    # random prompts alone: after the warm-up drafts, (nearly) every step goes ahead
+    eng = make_engine(serving_model, spec, async_scheduling="on")
+    got = run(eng, random_only())
+    assert_same(got, {k: plain[k] for k in got})
+    assert eng.num_steps_ahead > 10, eng.num_steps_ahead
+
+
+def test_adaptive_k_off_never_goes_ahead_and_drafts_more(serving_model, plain):
+    """min_alpha=0 is the previous engine: every decode drafts, nothing is dispatched ahead."""
+    off = make_engine(serving_model, SpeculativeConfig(min_alpha=0.0), async_scheduling="on")
+    on = make_engine(serving_model, SpeculativeConfig(), async_scheduling="on")
+    assert_same(run(off, requests()), plain)
+    assert_same(run(on, requests()), plain)
+    assert off.speculator.adaptive is None and off.num_steps_ahead == 0
+    assert on.speculator.stats()["draft_tokens"] < off.speculator.stats()["draft_tokens"]
+
+
+def test_adaptive_k_under_preemption_and_prefix_cache(serving_model, plain):
+    """Few pages (preemption) and the prefix cache on, async on: still the plain bits."""
+    eng = make_engine(serving_model, SpeculativeConfig(), async_scheduling="on", num_pages=20)
+    got = run(eng, requests())
+    assert_same(got, plain)
+    assert eng.scheduler.num_preemptions > 0
+    eng2 = make_engine(serving_model, SpeculativeConfig(), async_scheduling="on")
+    run(eng2, requests()[:1])
+    got = run(eng2, requests())  # the copy prompt's pages are cached now
+    assert_same(got, plain)
+
+
+def test_negative_control_wrong_ahead_tokens_in_a_spec_engine_differ(
+    serving_model, plain, monkeypatch
+):
+    """The comparison sees a wrong ahead step inside a speculative engine: feed each ahead step
+    the wrong rows' tokens."""
+    import jax.numpy as jnp
+
+    bad = make_engine(serving_model, SpeculativeConfig(), async_scheduling="on")
+    real = bad.runner.prepare_ahead
+    monkeypatch.setattr(bad.runner, "prepare_ahead", lambda p, t: real(p, jnp.roll(t, 1)))
+    got = run(bad, requests())
+    assert bad.num_steps_ahead > 0
+    assert any(
+        not np.array_equal(got[r].outputs[0].token_ids, plain[r].outputs[0].token_ids)
+        for r in plain
+    )
+
+
+def _seq(tokens: list[int]) -> Sequence:
+    return Sequence("r", 0, list(tokens), SamplingOptions(), seed=1, arrival_time=0.0)
+
+
+def test_policy_falls_back_and_recovers_on_host_measure():
+    """n-gram: rejected verifies -> fallen back; tokens the lookup would have proposed (measured
+    on the host) -> drafting again. Model drafts: a probe after probe_every tokens."""
+    hits = {"on": False}
+
+    def lookup(tokens):
+        return tokens[-1] if hits["on"] else None  # 'repeat the last token' when on
+
+    a = AdaptiveK(0.5, 3, lookup)
+    s = _seq([5, 6, 7])
+    assert a.drafts(s)  # no evidence yet
+    for _ in range(WARMUP):
+        a.record_verify(s, 0, 1)
+    assert not a.drafts(s) and a.fallen_back(s)
+    s.token_ids += [8, 9]  # the lookup (off) proposed neither
+    a.observe([s])
+    assert a.fallen_back(s)
+    hits["on"] = True
+    s.token_ids += [9, 9, 9, 9]  # each is the previous token: the lookup would have hit
+    a.observe([s])
+    assert not a.fallen_back(s) and a.drafts(s)
+    assert a.num_shadow_checks >= 3
+
+    m = AdaptiveK(0.5, 3, None)  # a model draft: probe after 3 tokens without drafts
+    s = _seq([1, 2])
+    for _ in range(WARMUP):
+        m.record_verify(s, 0, 1)
+    assert not m.drafts(s)
+    s.token_ids += [3, 4]
+    assert not m.drafts(s)
+    s.token_ids += [5]
+    assert m.drafts(s)  # the probe
+    m.record_verify(s, 0, 1)  # rejected again: back to decoding without drafts
+    assert not m.drafts(s)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [(dict(min_alpha=1.5), "min_alpha"), (dict(min_alpha="x"), "min_alpha"),
+     (dict(probe_every=0), "probe_every")],  # fmt: skip
+)
+def test_adaptive_settings_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kw)
