@@ -152,10 +152,12 @@ def batch_dependent_none(monkeypatch):
 
     original = jdet.ops.Ops.attention
 
-    def attention(self, q, kv, layer, batch, scale):
+    def attention(self, q, kv, layer, batch, scale, meta=None, out_rows=None):
         if self.invariance != "none":
-            return original(self, q, kv, layer, batch, scale)
-        return _batch_dependent_attention(self, q, kv, layer, batch, scale)
+            return original(self, q, kv, layer, batch, scale, meta=meta, out_rows=out_rows)
+        from pallas_kernels.paged_attention import _pad_rows
+
+        return _pad_rows(_batch_dependent_attention(self, q, kv, layer, batch, scale), out_rows)
 
     monkeypatch.setattr(jdet.ops.Ops, "attention", attention)
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
