@@ -78,7 +78,8 @@ class ModelDraft:
             self.num_layers = model.cfg.num_layers
             self.params = model.params
             num_pages = jax.tree_util.tree_leaves(runner.kv)[0].shape[2]
-            self.kv = init_kv_cache(model.cfg, num_pages, runner.page_size, model.dtype)
+            kv = init_kv_cache(model.cfg, num_pages, runner.page_size, model.dtype)
+            self.kv = jax.device_put(kv, jax.devices()[0])  # committed, as after a step (`_run`)
             # the draft's own bits do not matter (exact mode): the simplest runtime, one device
             mode = "batch" if invariance == "tp" else invariance
             self.step_fn = cached_step_fn(model.cfg, mode)
@@ -100,6 +101,10 @@ class ModelDraft:
                 # a failed step consumed the donated cache (Engine.recover): start it afresh;
                 # only acceptance can suffer until the pages are recomputed, never the bits
                 self.kv = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), self.kv)
+            # token ids always on the draft's device, host ids or a dispatched-ahead step's
+            # device tokens (adaptive K): one placement, so one executable per shape
+            tok = jax.device_put(batch.token_ids, jax.devices()[0])
+            batch = dataclasses.replace(batch, token_ids=tok)
             self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
         return out
 
@@ -128,11 +133,6 @@ class ModelDraft:
         batch, sampling = prepared
         if isinstance(sampling, SpecSampling):
             sampling = sampling.inputs
-        if not isinstance(batch.token_ids, np.ndarray):  # a dispatched-ahead step's (adaptive K)
-            import jax  # tokens on the target's devices; the draft runs on one
-
-            tok = jax.device_put(batch.token_ids, jax.devices()[0])
-            batch = dataclasses.replace(batch, token_ids=tok)
         Sp = sampling.temperature.shape[0]
         Pp = batch.page_table.shape[1]
         self._run(batch, self._sampling(Sp, Pp, np.zeros(Sp, np.int32)))

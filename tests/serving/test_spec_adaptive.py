@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jdet import compile_cache
 from jdet.spec_config import SpeculativeConfig
 from serving.sampling_options import SamplingOptions
 from serving.sequence import Sequence
@@ -58,7 +59,10 @@ def test_adaptive_k_with_async_dispatch_keeps_the_bits(serving_model, plain, met
         dm = request.getfixturevalue("random_draft")
         spec = SpeculativeConfig(method="draft", draft_model=dm, min_alpha=0.5, probe_every=4)
     eng = make_engine(serving_model, spec, async_scheduling="on")
+    eng.warmup()
+    before = compile_cache.stats()
     got = run(eng, requests())
+    assert compile_cache.stats().compiles == before.compiles  # ahead steps, mirrors included
     assert_same(got, plain)
     st = eng.speculator.stats()
     assert st["verifies"] > 0 and st["accepted_tokens"] > 0, st
@@ -82,6 +86,17 @@ def test_adaptive_k_off_never_goes_ahead_and_drafts_more(serving_model, plain):
     assert_same(run(on, requests()), plain)
     assert off.speculator.adaptive is None and off.num_steps_ahead == 0
     assert on.speculator.stats()["draft_tokens"] < off.speculator.stats()["draft_tokens"]
+
+
+def test_rejection_mode_goes_ahead_too_and_greedy_keeps_the_bits(serving_model, plain):
+    """Rejection mode's step takes the ahead steps (no draft rows); greedy rows keep the plain
+    bits there (p one-hot: the rule accepts exactly the argmax)."""
+    reqs = [r for r in requests() if r[0].endswith("/greedy")]
+    spec = SpeculativeConfig(method="self", draft_layers=1, verify="rejection", probe_every=4)
+    eng = make_engine(serving_model, spec, async_scheduling="on")
+    got = run(eng, reqs)
+    assert_same(got, {k: plain[k] for k in got})
+    assert eng.num_steps_ahead > 0 and eng.speculator.stats()["verifies"] > 0
 
 
 def test_adaptive_k_under_preemption_and_prefix_cache(serving_model, plain):
