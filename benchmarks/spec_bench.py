@@ -7,15 +7,22 @@ alpha (accepted / reached drafts), the mean tokens a verify emits beside the see
 (1 - alpha^(K+1)) / (1 - alpha), tokens per target step over the whole decode (plain decodes
 included: n-gram finds no draft at times), and wall tokens/s against the plain engine in the
 same run. Every run's tokens and log-probs are asserted bitwise equal to the plain engine's.
+Each row is run with adaptive K off (`--min-alphas 0`: every decode drafts, as before) and on
+(0.3, the default: a request whose acceptance falls below it decodes without drafts).
 
 `--gpu` part (random bf16 weights of the Qwen3-8B shape, one GPU, like decode_bench.py): the
 device time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch
 1, context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` with n-gram
-drafts (K = 4) on a copy-heavy prompt (a random token block repeated), spec vs plain: tokens/s,
-alpha, and the bits asserted equal.
+drafts (K = 4) on a copy-heavy prompt (a random token block repeated; `--prompt heldout`: a
+held-out text of the embedded model's corpus, little to copy), same run: the plain engine
+(async dispatch, the GPU default), plain synchronous, spec with adaptive K off (the previous
+engine: every step verifies, synchronously) and spec with adaptive K on (the default: steps where
+no request drafts are dispatched ahead); tokens/s, alpha, steps dispatched ahead, bits asserted
+equal.
 
     PYTHONPATH=. python -m benchmarks.spec_bench [--ks 1,2,4,8] [--out OUT]
     PYTHONPATH=. python -m benchmarks.spec_bench --gpu --out $OUT      # < 4 minutes on an H100
+    PYTHONPATH=. python -m benchmarks.spec_bench --gpu --shape embedded [--prompt heldout]
 Writes `spec_bench.json` (after every row) and prints a table.
 """
 
@@ -80,22 +87,23 @@ def cpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     res["cpu_plain"] = {"tokens": n_out, "seconds": t_plain, "tok_per_s": n_out / t_plain}
     kinds = [("ngram", {}), ("self", {"draft_layers": a.self_layers}),
              ("draft", {"draft_model": a.draft})]  # fmt: skip
-    for kind, extra in kinds:
-        for k in a.ks:
-            spec = jdet.SpeculativeConfig(method=kind, num_tokens=k, **extra)
-            eng = Engine(model, **kw, speculative=spec)
-            generate(eng, prompts[:1], dict(params, max_tokens=4))  # compile the draft's shapes
-            eng.speculator.reset_stats()
-            outs, dt = generate(eng, prompts, params)
-            assert bits(outs) == bits(plain), f"{kind} K={k}: bits differ from the plain engine"
-            st = eng.speculator.stats()
-            acc = st["accepted_tokens"]
-            row = dict(kind=kind, K=k, **st, formula=formula(st["alpha"], k),
-                       tokens_per_step=n_out / max(1, n_out - acc), seconds=dt,
-                       tok_per_s=n_out / dt, speedup=t_plain / dt, bits_equal=True)  # fmt: skip
-            res["cpu"].append(row)
-            print(json.dumps(row), flush=True)
-            save()
+    runs = [(kind, extra, k, m) for kind, extra in kinds if kind in a.kinds
+            for k in a.ks for m in a.min_alphas]  # fmt: skip
+    for kind, extra, k, min_alpha in runs:
+        spec = jdet.SpeculativeConfig(method=kind, num_tokens=k, min_alpha=min_alpha, **extra)
+        eng = Engine(model, **kw, speculative=spec)
+        generate(eng, prompts[:1], dict(params, max_tokens=4))  # compile the draft's shapes
+        eng.speculator.reset_stats()
+        outs, dt = generate(eng, prompts, params)
+        assert bits(outs) == bits(plain), f"{kind} K={k}: bits differ from the plain engine"
+        st = eng.speculator.stats()
+        acc = st["accepted_tokens"]
+        row = dict(kind=kind, K=k, min_alpha=min_alpha, **st, formula=formula(st["alpha"], k),
+                   tokens_per_step=n_out / max(1, n_out - acc), seconds=dt,
+                   tok_per_s=n_out / dt, speedup=t_plain / dt, bits_equal=True)  # fmt: skip
+        res["cpu"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
 
 
 # ---------------------------------------------------------------------- GPU part
@@ -192,33 +200,45 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     block = np.random.default_rng(0).integers(1, model.cfg.vocab_size, 64).tolist()
     if a.shape == "embedded":  # a docstring repeated: "repeat this text" in its own words
         block = model.tokenizer(copy_text())["input_ids"]
+    if a.prompt == "heldout":  # natural text, little to copy (embedded: its held-out documents)
+        if a.shape != "embedded":
+            raise ValueError("--prompt heldout needs --shape embedded (a tokenizer and a corpus)")
+        block = [t for p in prompts_of_corpus(model.tokenizer, 64) for t in p]
     prompt = (block * (ctx // len(block) + 1))[: ctx - 1]
     params = dict(temperature=0.0, max_tokens=a.gpu_tokens, ignore_eos=True)
     runs = {}
-    # plain: the default engine (async dispatch on a GPU); plain_sync: synchronous, as the
-    # speculative engine runs (it turns async dispatch off: the host must see each verify)
-    for name in ("spec", "plain", "plain_sync"):
+    # plain: the default engine (async dispatch on a GPU); plain_sync: synchronous; spec_sync:
+    # adaptive K off, every step verifies and so runs synchronously (the engine before adaptive
+    # K); spec: adaptive K on (the default), steps where no request drafts go ahead
+    settings = {"spec": {"speculative": spec},
+                "spec_sync": {"speculative": dataclasses.replace(spec, min_alpha=0.0)},
+                "plain": {}, "plain_sync": {"async_scheduling": "off"}}  # fmt: skip
+    for name in ("spec", "spec_sync", "plain", "plain_sync"):
         if name != "spec":
             del eng
             gc.collect()
-            eng = Engine(model, **kw, **({"async_scheduling": "off"} if name == "plain_sync"
-                                          else {}))  # fmt: skip
+            eng = Engine(model, **kw, **settings[name])
         generate(eng, [prompt[:40]], dict(params, max_tokens=8))  # compile the shapes met
         if eng.speculator is not None:
             eng.speculator.reset_stats()
+        steps0, ahead0 = eng.num_steps, eng.num_steps_ahead
         outs, dt = generate(eng, [prompt], params)
         n = len(outs[0].outputs[0].token_ids)
         runs[name] = (bits(outs), n / dt)
-        row = {"run": name, "K": a.e2e_k if name == "spec" else 0, "tok_per_s": n / dt,
-               "seconds": dt, "tokens": n, "async": bool(eng.async_scheduling)}  # fmt: skip
+        row = {"run": name, "K": a.e2e_k if eng.speculator else 0, "tok_per_s": n / dt,
+               "seconds": dt, "tokens": n, "async": bool(eng.async_scheduling),
+               "steps": eng.num_steps - steps0,
+               "steps_ahead": eng.num_steps_ahead - ahead0}  # fmt: skip
         if eng.speculator is not None:
             row.update(eng.speculator.stats())
         res["gpu_e2e"].append(row)
         print(json.dumps(row), flush=True)
         save()
-    assert runs["spec"][0] == runs["plain"][0] == runs["plain_sync"][0], "bits differ"
+    assert len({repr(b) for b, _ in runs.values()}) == 1, "bits differ"
     res["gpu_e2e_speedup"] = runs["spec"][1] / runs["plain"][1]
     res["gpu_e2e_speedup_vs_sync"] = runs["spec"][1] / runs["plain_sync"][1]
+    res["gpu_e2e_old_spec_vs_plain"] = runs["spec_sync"][1] / runs["plain"][1]
+    res["gpu_e2e_new_vs_old_spec"] = runs["spec"][1] / runs["spec_sync"][1]
     res["gpu_bits_equal"] = True
     save()
 
@@ -228,11 +248,12 @@ def table(res: dict) -> str:
     if res.get("cpu_plain"):
         p = res["cpu_plain"]
         lines.append(f"CPU embedded model, plain: {p['tokens']} tokens, {p['tok_per_s']:.1f} tok/s")
-        lines.append("kind K | alpha accept-rate | tokens/verify formula | tokens/step | "
-                     "tok/s speedup bits")  # fmt: skip
+        lines.append("kind K min_alpha | alpha accept-rate | tokens/verify formula | "
+                     "tokens/step | tok/s speedup bits")  # fmt: skip
         for r in res["cpu"]:
             lines.append(
-                f"{r['kind']} {r['K']} | {r['alpha']:.3f} {r['acceptance_rate']:.3f} | "
+                f"{r['kind']} {r['K']} {r.get('min_alpha', 0.0)} | {r['alpha']:.3f} "
+                f"{r['acceptance_rate']:.3f} | "
                 f"{r['mean_accepted_length']:.2f} {r['formula']:.2f} | {r['tokens_per_step']:.2f}"
                 f" | {r['tok_per_s']:.1f} {r['speedup']:.2f}x {'=' if r['bits_equal'] else '!='}"
             )
@@ -240,10 +261,15 @@ def table(res: dict) -> str:
         lines.append(f"GPU verify K={r['K']}: {r['step_ms']:.2f} ms = {r['vs_decode']:.2f}x decode")
     for r in res["gpu_e2e"]:
         extra = f" alpha {r['alpha']:.3f}" if "alpha" in r else ""
-        lines.append(f"GPU e2e {r['run']}: {r['tok_per_s']:.1f} tok/s{extra}")
+        ahead = f", {r['steps_ahead']}/{r['steps']} steps ahead" if "steps" in r else ""
+        lines.append(f"GPU e2e {r['run']}: {r['tok_per_s']:.1f} tok/s{extra}{ahead}")
     if "gpu_e2e_speedup" in res:
-        lines.append(f"GPU e2e speedup {res['gpu_e2e_speedup']:.2f}x vs the default engine, "
-                     f"{res['gpu_e2e_speedup_vs_sync']:.2f}x vs the synchronous one; bits equal")
+        lines.append(f"GPU e2e spec (adaptive K) {res['gpu_e2e_speedup']:.2f}x the default "
+                     f"(async) engine, {res['gpu_e2e_speedup_vs_sync']:.2f}x the synchronous "
+                     f"one; spec without adaptive K (old) "
+                     f"{res.get('gpu_e2e_old_spec_vs_plain', float('nan')):.2f}x async plain; "
+                     f"new/old spec {res.get('gpu_e2e_new_vs_old_spec', float('nan')):.2f}x; "
+                     "bits equal")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -256,12 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--self-layers", type=int, default=2, help="L of the self-speculative draft")
     p.add_argument("--draft", default="default",
                    help="draft model directory of method 'draft' (default: the shipped draft)")
+    p.add_argument("--kinds", default="ngram,self,draft", help="draft kinds of the CPU part")
+    p.add_argument("--min-alphas", default="0,0.3",
+                   help="adaptive K thresholds of the CPU part (0: off, every decode drafts)")
+    p.add_argument("--prompt", default="copy", choices=("copy", "heldout"),
+                   help="the GPU end-to-end prompt: copy-heavy, or held-out text (embedded)")
     p.add_argument("--gpu", action="store_true", help="the GPU part instead of the CPU part")
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--gpu-tokens", type=int, default=128, help="tokens generated end to end")
     p.add_argument("--e2e-k", type=int, default=4, help="K of the end-to-end n-gram run")
     a = p.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]
+    a.kinds = a.kinds.split(",")
+    a.min_alphas = [float(m) for m in a.min_alphas.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"args": vars(a), "cpu": [], "gpu_verify": [], "gpu_e2e": []}
