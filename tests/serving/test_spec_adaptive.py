@@ -177,3 +177,41 @@ def test_policy_falls_back_and_recovers_on_host_measure():
 def test_adaptive_settings_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig(**kw)
+
+
+def _ngram_reference(tokens: list[int], k: int, n_min: int, n_max: int, latest: bool = True):
+    """The sliding-window prompt lookup ngram_draft replaced (and, latest=False, a wrong one
+    that takes the earliest match: the control)."""
+    L = len(tokens)
+    if k < 1 or L < 2:
+        return []
+    arr = np.asarray(tokens, np.int64)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        win = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+        hits = np.flatnonzero((win == arr[L - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1 if latest else 0]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+def test_fast_ngram_lookup_equals_the_sliding_window_one():
+    """ngram_draft (one pass, run for every drafting sequence every step) gives the drafts of
+    the sliding-window search over 5000 random and repetitive contexts; the earliest-match
+    variant differs on the same inputs (the inputs can tell lookups apart)."""
+    import random
+
+    from serving.speculative import ngram_draft
+
+    r = random.Random(5)
+    cases = []
+    for _ in range(5000):
+        L = r.randrange(0, 60)
+        toks = [r.randrange(r.choice([2, 3, 5, 20, 300])) for _ in range(L)]
+        if r.random() < 0.3 and L > 5:
+            toks = (toks[: r.randrange(1, 6)] * 30)[:L]
+        n_min = r.randrange(1, 5)
+        cases.append((toks, r.randrange(0, 6), n_min, r.randrange(n_min, 8)))
+    for c in cases:
+        assert ngram_draft(*c) == _ngram_reference(*c), c
+    assert sum(_ngram_reference(*c, latest=False) != ngram_draft(*c) for c in cases) > 100
