@@ -61,15 +61,28 @@ class Plan:
 
     def prepare_params(self, params: dict, **kw: Any) -> dict:
         """The weights as this plan's runtime takes them (identity for the unsharded step)."""
-        return prepare_params(params, self.cfg, self.tp, **kw) if self.sharded else params
+        if not self.sharded:
+            return params
+        return prepare_params(params, self.cfg, self.tp, blocked=self.blocked, **kw)
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the matmul weights come cut into their dots' blocks (jdet/plan.py
+        `matmul_weights`): "tp" mode on one device (on a CPU; a no-op elsewhere)."""
+        return self.invariance == "tp" and self.tp == 1
 
     def kernel_plan(self, page_size: int) -> dict:
         """The plan's part of `system_fingerprint` (jdet/fingerprint.py)."""
-        return {
+        plan: dict = {
             "page_size": page_size,
             "attn_partition": self.attn_partition,
             "tp": self.tp if self.invariance != "tp" else "any",
         }
+        from pallas_kernels import _platform
+
+        if self.sharded and _platform.xla_fixed_default():
+            plan["matmul_weights"] = "float32"  # `matmul_weights`: other CPU bits than bf16
+        return plan
 
 
 def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
@@ -184,11 +197,58 @@ def prepare_params(
     *,
     ffn_multiple: int | None = None,
     fuse: bool | None = None,
+    blocked: bool = False,
 ) -> dict:
-    """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed, and
-    fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`)."""
+    """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed,
+    fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`), and hold the matmul
+    weights as the kernels take them (`matmul_weights`; `blocked`: "tp" mode at tp = 1 only)."""
     from sharding.specs import check_heads, expand_kv_heads
 
+    if blocked and tp != 1:
+        raise ValueError(f"blocked weights are laid out for one device, not tp={tp}")
     check_heads(cfg, tp)
     p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
-    return fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
+    p = fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
+    return matmul_weights(p, blocked=blocked)
+
+
+# Every [in, out] weight a matmul kernel reads (layer leaves are stacked on L): not norms,
+# biases or the embedding (a row gather whose rows are the activations' dtype).
+MATMUL_WEIGHTS = frozenset(
+    {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up", "lm_head"}
+)
+
+
+ROW_PARALLEL = frozenset({"wo", "w_down"})  # reduced by the tree matmul in "tp" mode
+
+
+def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
+    """The matmul weights as the kernels here take them: on the xla_fixed CPU path float32
+    copies of 16-bit weights (`_platform.matmul_weight_dtype`), made once here instead of by XLA
+    in every step, and with `blocked` ("tp" mode on one device) cut into the blocks of their
+    fixed-shape dots (`xla_fixed.BlockedWeight`: BIO blocks for the column weights, the tree's
+    leaves for o_proj/down_proj), so no step copies a weight. Same dots, same bits as the
+    unblocked f32 weights, which every TP size > 1 runs. Unchanged on a GPU."""
+    from pallas_kernels import _platform
+
+    blocked = blocked and _platform.xla_fixed_default()
+
+    def conv(name: str, w: Any) -> Any:
+        if name not in MATMUL_WEIGHTS:
+            return w
+        dtype = _platform.matmul_weight_dtype(w.dtype)
+        w = w if dtype == w.dtype else w.astype(dtype)
+        if not blocked:
+            return w
+        from pallas_kernels.tree_matmul import tree_plan
+        from pallas_kernels.xla_fixed import block_weight
+
+        k = w.shape[-2]
+        if name in ROW_PARALLEL:  # the activations (bf16/f16/f32) promote to w's dtype
+            tree = tree_plan(k, dtype)
+            return block_weight(w, num_leaves=tree.num_leaves, leaf_k=tree.leaf_k)
+        return block_weight(w, num_leaves=1, leaf_k=k)
+
+    out = {k: conv(k, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: conv(k, v) for k, v in params["layers"].items()}
+    return out

@@ -182,6 +182,20 @@ def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where((min_p[:, None] <= 0) | (scaled >= thresh), scaled, -jnp.inf)
 
 
+def _draw_unless_greedy(draw, scaled: jax.Array, greedy: jax.Array, temperature: jax.Array):
+    """draw(scaled), skipped off a GPU when every row is greedy (its result is then unused).
+
+    Why: the Gumbel noise is V random numbers per row (threefry) plus two logs, ~2-3 ms of a
+    CPU decode step of the embedded model, whose rows are all greedy in the common case. Rows
+    that sample get the same draw either way. On a GPU the skip would be a host-side
+    conditional, as for the top-k/top-p filter (`_top_k_top_p`), so it always draws there."""
+    from pallas_kernels import _platform
+
+    if _platform.platform() == "gpu":
+        return draw(scaled)
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda s: greedy, scaled)
+
+
 def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     """Draw one token per row of f32 logits [N, V]."""
     logits = logits.astype(jnp.float32)
@@ -197,9 +211,13 @@ def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
     keys = row_keys(inp.seed, inp.position)
     V = logits.shape[-1]
-    u = jax.vmap(lambda k: jax.random.uniform(k, (V,), jnp.float32, 1e-20, 1.0))(keys)
-    gumbel = -jnp.log(-jnp.log(u))
-    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+    def draw(s: jax.Array) -> jax.Array:
+        u = jax.vmap(lambda k: jax.random.uniform(k, (V,), jnp.float32, 1e-20, 1.0))(keys)
+        gumbel = -jnp.log(-jnp.log(u))
+        return jnp.argmax(s + gumbel, axis=-1).astype(jnp.int32)
+
+    drawn = _draw_unless_greedy(draw, scaled, greedy, inp.temperature)
     tokens = jnp.where(inp.temperature > 0, drawn, greedy)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, min(NUM_TOP, V))

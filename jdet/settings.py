@@ -45,7 +45,10 @@ class EngineConfig:
         "stall_free", "'stall_free' (decodes first, prefill chunks fill the budget) or "
         "'prefill_first'", choices=("stall_free", "prefill_first"),
     )  # fmt: skip
-    min_tokens_bucket: int = _opt(16, "smallest padded token count (raise it: fewer compiles)")
+    min_tokens_bucket: int | None = _opt(
+        None, "smallest padded token count (default: 8 on a CPU, the rows of its fixed-shape "
+        "dots, 16 elsewhere; raise it: fewer compiles)",
+    )  # fmt: skip
     min_seqs_bucket: int = _opt(1, "smallest padded sequence count")
     min_pages_bucket: int = _opt(32, "smallest padded page-table width")
     compile_cache: bool | str = _opt(

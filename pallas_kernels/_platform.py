@@ -74,6 +74,22 @@ def is_hopper() -> bool:
     return any(tag in kind for tag in ("h100", "h200", "h800", "gh200"))
 
 
+def matmul_weight_dtype(dtype: Any) -> Any:
+    """The dtype a matmul weight is best held in for the kernels that run here: float32 for a
+    16-bit float weight on the xla_fixed CPU path, else `dtype` unchanged.
+
+    Why: XLA CPU computes a bf16 dot by converting both operands to f32 on every call, so a bf16
+    weight passed to the step is converted again in every layer of every step (measured: about
+    half of a batch-1 decode step of the embedded model). Held as f32 once, the weights feed the
+    fixed-shape f32 dots directly. The dots then run in f32 (the activations are cast up,
+    exactly), which gives other CPU bits than bf16 operands did; every TP size and batch shares
+    them (jdet/plan.py `prepare_params` applies it for every TP size alike)."""
+    dtype = jnp.dtype(dtype)
+    if xla_fixed_default() and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 # A 16-bit float KV cache is stored as uint16 on a CPU (jdet/kv_cache.py `storage_dtype`).
 def kv_compute_dtype(cache_dtype: Any, query_dtype: Any) -> Any:
     """The float type a cache's values are: its own, or for a uint16-stored one the query's."""

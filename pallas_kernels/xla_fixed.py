@@ -52,6 +52,7 @@ Reduction plans (each a function of model shapes only):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -101,24 +102,92 @@ def _combine_pairwise(parts: list[jax.Array]) -> jax.Array:
     return level[0]
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["k", "n"]
+)
+@dataclasses.dataclass(frozen=True)
+class BlockedWeight:
+    """A matmul weight b[K, N] held in the layout of its fixed-shape dots: blocks
+    [..., num_leaves, nb, leaf_k, BN] (K zero-padded to num_leaves * leaf_k, N to nb * BN),
+    block [i, j] = b[i*leaf_k:(i+1)*leaf_k, j*BN:(j+1)*BN]. Leading axes (a stacked layer axis)
+    are allowed; `lax.scan` slices them like any leaf.
+
+    Why: `tree_subtree` cuts every weight into these blocks; done in the step, that is a copy of
+    every weight in every layer of every step (measured: about half of the embedded model's CPU
+    decode step once the weights are f32). Made once (`block_weight`, jdet/plan.py
+    `matmul_weights`), the dots read the blocks in place. The dots and their order are the same,
+    so the bits are those of the unblocked weight (tests/pallas_kernels/test_xla_fixed.py).
+    It answers `shape`, `ndim` and `dtype` as the [.., K, N] weight, so the kernels' entry points
+    check it like one; only the xla_fixed kernels can compute with it."""
+
+    blocks: jax.Array
+    k: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.blocks.shape[:-4], self.k, self.n)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.blocks.dtype
+
+    @property
+    def leaves(self) -> tuple[int, int]:
+        """(num_leaves, leaf_k) of the tree the blocks were cut for."""
+        return self.blocks.shape[-4], self.blocks.shape[-2]
+
+
+def block_weight(w: jax.Array, *, num_leaves: int, leaf_k: int) -> BlockedWeight:
+    """w[..., K, N] cut into the blocks `tree_subtree(leaf_k=leaf_k, num_leaves=num_leaves)`
+    reads (num_leaves=1, leaf_k=K: the BIO matmul's)."""
+    *lead, k, n = w.shape
+    if num_leaves * leaf_k < k:
+        raise ValueError(f"{num_leaves} leaves of {leaf_k} cannot hold K={k}")
+    nb = -(-n // BN)
+    w = _pad_axis(_pad_axis(w, -2, num_leaves * leaf_k), -1, nb * BN)
+    w = w.reshape(*lead, num_leaves, leaf_k, nb, BN)
+    return BlockedWeight(jnp.swapaxes(w, -3, -2), k, n)
+
+
+def _blocks(b: jax.Array | BlockedWeight, dtype, leaf_k: int, num_leaves: int):
+    """b's [leaf, n block, leaf_k, BN] blocks of `dtype` and its N: cut here, or made once."""
+    if isinstance(b, BlockedWeight):
+        if b.leaves != (num_leaves, leaf_k) or b.blocks.ndim != 4:
+            raise ValueError(
+                f"a weight blocked as {b.leaves[0]} leaves of {b.leaves[1]} (blocks "
+                f"{b.blocks.shape}) cannot run a plan of {num_leaves} leaves of {leaf_k}; block "
+                f"it for this plan (jdet/plan.py matmul_weights) or pass the [K, N] array"
+            )
+        return b.blocks.astype(dtype), b.n
+    n = b.shape[1]
+    nb = -(-n // BN)
+    b = _pad_axis(_pad_axis(b.astype(dtype), 0, num_leaves * leaf_k), 1, nb * BN)
+    return b.reshape(num_leaves, leaf_k, nb, BN).transpose(0, 2, 1, 3), n
+
+
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
 def tree_subtree(
-    a: jax.Array, b: jax.Array, *, leaf_k: int, num_leaves: int, out_dtype
+    a: jax.Array, b: jax.Array | BlockedWeight, *, leaf_k: int, num_leaves: int, out_dtype
 ) -> jax.Array:
     """a[M, Ks] @ b[Ks, N] as `num_leaves` leaves of `leaf_k` columns (Ks zero-padded to
     num_leaves * leaf_k), each a fixed-shape dot, combined in the pairwise tree; f32 until the
-    final cast. num_leaves=1 with leaf_k=K is the BIO matmul."""
+    final cast. num_leaves=1 with leaf_k=K is the BIO matmul. `b` may come blocked already
+    (`BlockedWeight`, cut for this very plan): the same dots on the same blocks."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    a, b = a.astype(dtype), b.astype(dtype)
-    m, n = a.shape[0], b.shape[1]
+    a = a.astype(dtype)
+    # b as [leaf, n block, leaf_k, BN]; a as [m block, leaf, BM, leaf_k].
+    b4, n = _blocks(b, dtype, leaf_k, num_leaves)
+    m = a.shape[0]
     kp = num_leaves * leaf_k
     mp = -(-max(m, 1) // BM) * BM
-    np_ = -(-n // BN) * BN
-    nb = np_ // BN
+    nb = b4.shape[1]
+    np_ = nb * BN
     a = _pad_axis(_pad_axis(a, 1, kp), 0, mp)
-    b = _pad_axis(_pad_axis(b, 0, kp), 1, np_)
-    # b as [leaf, n block, leaf_k, BN]; a as [m block, leaf, BM, leaf_k].
-    b4 = b.reshape(num_leaves, leaf_k, nb, BN).transpose(0, 2, 1, 3)
     a4 = a.reshape(mp // BM, BM, num_leaves, leaf_k).transpose(0, 2, 1, 3)
     precision = lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize > 2 else None
     dims = (((3,), (2,)), ((0, 1), (0, 1)))  # batch (leaf, n block); contract leaf_k

@@ -48,7 +48,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        min_tokens_bucket: int = 16,
+        min_tokens_bucket: int | None = None,
         min_seqs_bucket: int = 1,
         min_pages_bucket: int = 32,
         kv_dtype: Any = None,

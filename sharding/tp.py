@@ -35,7 +35,7 @@ from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache
 from jdet.ops import Ops
-from jdet.plan import prepare_params, row_partial_kernel
+from jdet.plan import Plan, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import score_body, step_body
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
@@ -72,10 +72,14 @@ def shard_params(
     *,
     ffn_multiple: int | None = None,
     fuse: bool | None = None,
+    blocked: bool = False,
 ) -> dict:
-    """Pad, replicate kv heads as the mesh needs, fuse (jdet/plan.py `prepare_params`), and
-    place every weight by its partition spec."""
-    p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse)
+    """Pad, replicate kv heads as the mesh needs, fuse, hold the matmul weights as the kernels
+    take them (jdet/plan.py `prepare_params`; `blocked`: Plan.blocked), and place every weight
+    by its partition spec."""
+    p = prepare_params(
+        params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse, blocked=blocked
+    )
     return jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
 
 
@@ -166,7 +170,7 @@ def make_tp_runtime(params: dict, cfg: ModelConfig, tp: int, invariance: str = "
     check_heads(cfg, tp)
     return TPRuntime(
         mesh=mesh,
-        params=shard_params(params, cfg, mesh),
+        params=shard_params(params, cfg, mesh, blocked=Plan(cfg, invariance, tp).blocked),
         step=make_tp_step(cfg, invariance, mesh),
         score=make_tp_score(cfg, invariance, mesh),
         init_kv=functools.partial(init_tp_kv_cache, cfg, mesh),
