@@ -59,11 +59,14 @@ class Acceptance:
 
 class AdaptiveK:
     """Decides per sequence whether it drafts this step (`drafts`); see the module docstring.
-    `lookup(tokens)`: the n-gram draft's first token for a context, or None (None for model
-    drafts: they are probed instead)."""
+    `lookup(seq, i)`: the n-gram draft's first token for the context of seq's first i tokens, or
+    None (None for model drafts: they are probed instead)."""
 
     def __init__(
-        self, min_alpha: float, probe_every: int, lookup: Callable[[list[int]], int | None] | None
+        self,
+        min_alpha: float,
+        probe_every: int,
+        lookup: Callable[[Sequence, int], int | None] | None,
     ) -> None:
         self.min_alpha = min_alpha
         self.probe_every = probe_every
@@ -101,7 +104,7 @@ class AdaptiveK:
                     st.idle += 1
                     continue
                 self.num_shadow_checks += 1
-                st.add(int(self.lookup(seq.token_ids[:i]) == seq.token_ids[i]), 1)
+                st.add(int(self.lookup(seq, i) == seq.token_ids[i]), 1)
                 if not self.fallen_back(seq):
                     break  # drafting again: later tokens are the verifies' to count
             st.seen = n

@@ -50,6 +50,7 @@ which also keeps the bits (docs/speculative.md).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -75,7 +76,7 @@ def step_tokens(seq: Sequence, n: int) -> list[int]:
     return have + seq.draft_token_ids[: n - len(have)]
 
 
-def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+def ngram_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: for n = n_max..n_min, the (up to) k tokens that followed the latest earlier
     occurrence of the last n tokens; [] when none occurs.
 
@@ -88,7 +89,7 @@ def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     L = len(tokens)
     if k < 1 or L < 2:
         return []
-    arr = np.asarray(tokens, np.int64)
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, np.int64)
     n_hi = min(n_max, L - 1)
     best, at = 0, -1
     for e in np.flatnonzero(arr[: L - 1] == arr[L - 1])[::-1].tolist():  # a match's last position
@@ -115,15 +116,35 @@ class Speculator:
         self._q: dict[Sequence, list] = {}  # rejection mode, model drafts: q of each draft
         self.reset_stats()
         self.model_draft: ModelDraft | None = None  # "self" / "draft" (`attach`)
+        self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `_tokens`
         self.adaptive: AdaptiveK | None = None  # K = 0 at low acceptance: spec_adaptive.py
         if config.min_alpha > 0:
             look = None if config.method != "ngram" else self._lookup
             self.adaptive = AdaptiveK(config.min_alpha, config.probe_every, look)
 
-    def _lookup(self, tokens: list[int]) -> int | None:
-        """The n-gram draft's first token for context `tokens` (adaptive K's host measure)."""
-        d = ngram_draft(tokens, 1, self.config.ngram_min, self.config.ngram_max)
+    def _lookup(self, seq: Sequence, i: int) -> int | None:
+        """The n-gram draft's first token for the context of `seq`'s first i tokens (adaptive K's
+        host measure)."""
+        d = ngram_draft(self._tokens(seq)[:i], 1, self.config.ngram_min, self.config.ngram_max)
         return d[0] if d else None
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """`seq.token_ids` as an int64 array, kept per sequence and extended by the tokens appended
+        since the last call (the lookup runs every step: converting the whole list each time
+        was most of its cost at long contexts)."""
+        ids = seq.token_ids
+        buf, n = self._arrays.get(seq, (None, 0))
+        L = len(ids)
+        if buf is None or L < n or (n and buf[n - 1] != ids[n - 1]):
+            buf, n = None, 0  # first call, or the tokens changed (never appended only)
+        if buf is None or len(buf) < L:
+            grown = np.empty(max(64, 2 * L), np.int64)
+            if n:
+                grown[:n] = buf[:n]
+            buf = grown
+        buf[n:L] = ids[n:L]
+        self._arrays[seq] = (buf, L)
+        return buf[:L]
 
     def can_run_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether the step after `plan` may be dispatched before `plan`'s tokens reach the host
@@ -229,7 +250,7 @@ class Speculator:
             if k > 0 and self.model_draft is not None:
                 seq.draft_token_ids = [-1] * k
             elif k > 0:
-                seq.draft_token_ids = ngram_draft(seq.token_ids, k, c.ngram_min, c.ngram_max)
+                seq.draft_token_ids = ngram_draft(self._tokens(seq), k, c.ngram_min, c.ngram_max)
                 if not seq.draft_token_ids and self.adaptive is not None:
                     self.adaptive.record_verify(seq, 0, 1)  # no draft: a miss for the estimate
 

@@ -138,8 +138,8 @@ def test_policy_falls_back_and_recovers_on_host_measure():
     on the host) -> drafting again. Model drafts: a probe after probe_every tokens."""
     hits = {"on": False}
 
-    def lookup(tokens):
-        return tokens[-1] if hits["on"] else None  # 'repeat the last token' when on
+    def lookup(seq, i):
+        return seq.token_ids[i - 1] if hits["on"] else None  # 'repeat the last token' when on
 
     a = AdaptiveK(0.5, 3, lookup)
     s = _seq([5, 6, 7])
@@ -214,4 +214,41 @@ def test_fast_ngram_lookup_equals_the_sliding_window_one():
         cases.append((toks, r.randrange(0, 6), n_min, r.randrange(n_min, 8)))
     for c in cases:
         assert ngram_draft(*c) == _ngram_reference(*c), c
+        assert ngram_draft(np.asarray(c[0], np.int64), *c[1:]) == _ngram_reference(*c), c
     assert sum(_ngram_reference(*c, latest=False) != ngram_draft(*c) for c in cases) > 100
+
+
+def _follow(tokens_of) -> int | None:
+    """Append, drop and replace tokens of a sequence for 300 steps; the first step at which
+    `tokens_of(seq)` differs from its token_ids (None: never)."""
+    s = _seq([3, 1, 4, 1, 5])
+    rng = np.random.default_rng(0)
+    for step in range(300):
+        if step % 37 == 1:
+            s.token_ids.pop()  # a token the array already holds dropped (a stop string's)
+        if step % 41 == 2:
+            s.token_ids[-1] = (s.token_ids[-1] + 1) % 7  # and one it holds replaced
+        s.token_ids += rng.integers(0, 7, rng.integers(0, 6)).tolist()
+        if not np.array_equal(tokens_of(s), np.asarray(s.token_ids)):
+            return step
+    return None
+
+
+def test_the_speculators_token_arrays_follow_the_sequence():
+    """The n-gram lookup reads a per-sequence array extended step by step (Speculator._tokens);
+    it must equal token_ids after appends, growth past its capacity, a dropped and a replaced
+    token. A stale array would change no bit (exact mode), only the drafts, so it is checked
+    here. Control: an append-only array (no check that its tokens are still the sequence's)
+    fails the same loop."""
+    from serving.speculative import Speculator
+
+    spec = Speculator(SpeculativeConfig(), max_model_len=4096)
+    assert _follow(spec._tokens) is None
+    held: dict = {}
+
+    def append_only(seq):
+        a = held.get(seq, np.zeros(0, np.int64))
+        held[seq] = a = np.concatenate([a, np.asarray(seq.token_ids[len(a) :], np.int64)])
+        return a
+
+    assert _follow(append_only) is not None
