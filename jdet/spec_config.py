@@ -118,9 +118,9 @@ def add_flags(p: Any) -> None:
     )  # fmt: skip
     p.add_argument("--speculative-draft-model", default=None, help="draft model directory")
     p.add_argument(
-        "--speculative-min-alpha", type=float, default=SpeculativeConfig.min_alpha,
+        "--speculative-min-alpha", type=float, default=None,
         help="a request whose draft acceptance falls below this decodes without drafts (and "
-        "async) until it recovers; 0: always draft (default: %(default)s)",
+        f"async) until it recovers; 0: always draft (default: {SpeculativeConfig.min_alpha})",
     )  # fmt: skip
     p.add_argument(
         "--speculative-draft-layers", type=int, default=None,
@@ -131,7 +131,8 @@ def add_flags(p: Any) -> None:
 def from_args(a: Any) -> SpeculativeConfig | None:
     """The SpeculativeConfig of parsed `add_flags` flags, or None when speculation is off."""
     if a.speculative_method is None:
-        for flag in ("speculative_draft_model", "speculative_draft_layers"):
+        flags = ("speculative_draft_model", "speculative_draft_layers", "speculative_min_alpha")
+        for flag in flags:
             if getattr(a, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --speculative-method")
         return None
@@ -141,7 +142,8 @@ def from_args(a: Any) -> SpeculativeConfig | None:
         verify=a.speculative_verify,
         draft_model=a.speculative_draft_model,
         draft_layers=a.speculative_draft_layers,
-        min_alpha=a.speculative_min_alpha,
+        min_alpha=SpeculativeConfig.min_alpha if a.speculative_min_alpha is None
+        else a.speculative_min_alpha,
     )
 
 

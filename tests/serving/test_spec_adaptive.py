@@ -252,3 +252,23 @@ def test_the_speculators_token_arrays_follow_the_sequence():
         return a
 
     assert _follow(append_only) is not None
+
+
+def test_cli_flag(capsys):
+    """--speculative-min-alpha reaches the config; without --speculative-method it is refused,
+    out of range it is refused by name."""
+    import argparse
+
+    from jdet.cli import main
+    from jdet.spec_config import add_flags, from_args
+
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    assert from_args(p.parse_args(["--speculative-method", "ngram"])).min_alpha == 0.3
+    on = ["--speculative-method", "ngram", "--speculative-min-alpha", "0"]
+    assert from_args(p.parse_args(on)).min_alpha == 0.0
+    base = ["generate", "Return a list of", "--max-tokens", "4", "--invariance", "none"]
+    assert main([*base, "--speculative-min-alpha", "0.5"]) == 2
+    assert "needs --speculative-method" in capsys.readouterr().err
+    assert main([*base, "--speculative-method", "ngram", "--speculative-min-alpha", "2"]) == 2
+    assert "min_alpha must be a number in [0, 1]" in capsys.readouterr().err
