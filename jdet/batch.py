@@ -42,15 +42,21 @@ def build_batch(
     seqs: list[tuple[list[int], int, list[int]]],
     page_size: int,
     *,
-    logits: str = "last",
+    logits: str | list[int] = "last",
     pad_tokens: int | None = None,
     pad_seqs: int | None = None,
     pad_pages: int | None = None,
+    pad_rows: int | None = None,
 ) -> tuple[StepBatch, np.ndarray]:
-    """Host-side batch for sequences given as (new token ids, start position, page list).
+    """Host-side batch for sequences given as (new token ids, start position, page list): THE
+    batch builder (the engine's steps, decode steps dispatched ahead, model drafts, scoring,
+    jdet.train), so every caller lays a step out the same way (DESIGN §3).
 
     `logits="last"` asks for one logits row per sequence (its last new token), `"all"` for every
-    token row. Returns the padded numpy batch and the number of real logits rows per sequence.
+    token row, a list of ints for that many trailing rows of each sequence (a speculative verify
+    samples its last k + 1). `pad_rows` pads `logits_rows` with row 0 to that length (the step
+    samples `S` bucket rows, scoring `T` bucket rows). Returns the padded numpy batch and the
+    number of real logits rows per sequence.
     """
     T = sum(len(t) for t, _, _ in seqs)
     S = len(seqs)
@@ -68,6 +74,10 @@ def build_batch(
     pt = np.zeros((Sp, Pp), np.int32)
     rows: list[int] = []
     nrows = np.zeros(S, np.int32)
+    if not isinstance(logits, str) and len(logits) != S:
+        raise ValueError(f"logits gives row counts for {len(logits)} of {S} sequences")
+    if isinstance(logits, str) and logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last', 'all' or row counts per sequence: {logits!r}")
     t0 = 0
     for s, (ids, start, pages) in enumerate(seqs):
         n = len(ids)
@@ -81,13 +91,39 @@ def build_batch(
         qs[s + 1] = t0 + n
         cl[s] = start + n
         pt[s, : len(pages)] = pg
-        if logits == "last":
-            rows.append(t0 + n - 1)
-            nrows[s] = 1
-        else:
-            rows.extend(range(t0, t0 + n))
-            nrows[s] = n
+        k = 1 if logits == "last" else n if logits == "all" else int(logits[s])
+        if not 0 <= k <= n:
+            raise ValueError(f"sequence {s} asks for {k} logits rows of its {n} tokens")
+        rows.extend(range(t0 + n - k, t0 + n))
+        nrows[s] = k
         t0 += n
     qs[S + 1 :] = t0
-    batch = StepBatch(tok, pos, slot, qs, cl, pt, np.asarray(rows, np.int32))
+    R = len(rows) if pad_rows is None else pad_rows
+    if R < len(rows):
+        raise ValueError(f"pad_rows={R} is below the batch's {len(rows)} logits rows")
+    out_rows = np.zeros(R, np.int32)
+    out_rows[: len(rows)] = rows
+    batch = StepBatch(tok, pos, slot, qs, cl, pt, out_rows)
     return batch, nrows
+
+
+def decode_batch(
+    tokens: list[int],
+    positions: list[int],
+    pages: list[list[int]],
+    page_size: int,
+    *,
+    pad_tokens: int,
+    pad_seqs: int,
+    pad_pages: int,
+) -> StepBatch:
+    """A decode step: sequence s feeds one token, `tokens[s]` at `positions[s]`, and samples it
+    (rows padded to `pad_seqs`). Why a helper: the decode step dispatched ahead
+    (serving/model_runner.py `prepare_ahead`, which then puts the device's tokens in) and a
+    model draft's passes (serving/draft_model.py) build exactly this; `build_batch` lays it out."""
+    items = [([t], p, pg) for t, p, pg in zip(tokens, positions, pages, strict=True)]
+    batch, _ = build_batch(
+        items, page_size, pad_tokens=pad_tokens, pad_seqs=pad_seqs, pad_pages=pad_pages,
+        pad_rows=pad_seqs,
+    )  # fmt: skip
+    return batch

@@ -154,36 +154,23 @@ class ModelDraft:
         then its drafts)."""
         import jax
 
-        from jdet.batch import StepBatch
+        from jdet.batch import decode_batch
 
         r = self.runner
-        B = r.page_size
         got: dict[Sequence, list[int]] = {seq: [] for seq, _ in items}
         dists: dict[Sequence, list[np.ndarray]] = {seq: [] for seq, _ in items}
         for j in range(max(k for _, k in items)):
             active = [seq for seq, k in items if k > j]
             S = len(active)
             Tp, Sp, Pp = r.shapes.fit(S, S, max(len(s.block_table) for s in active))
-            tok = np.zeros(Tp, np.int32)
-            pos = np.zeros(Tp, np.int32)
-            slot = np.full(Tp, -1, np.int32)
-            qs = np.full(Sp + 1, S, np.int32)
-            qs[: S + 1] = np.arange(S + 1, dtype=np.int32)
-            cl = np.zeros(Sp, np.int32)
-            pt = np.zeros((Sp, Pp), np.int32)
-            rows = np.zeros(Sp, np.int32)
-            rows[:S] = np.arange(S, dtype=np.int32)
-            for i, seq in enumerate(active):
-                p = seq.num_tokens - 1 + j
-                pages = np.asarray(seq.block_table, np.int32)
-                tok[i] = got[seq][-1] if j else seq.token_ids[-1]
-                pos[i] = p
-                slot[i] = pages[p // B] * B + p % B
-                cl[i] = p + 1
-                pt[i, : len(pages)] = pages
+            batch = decode_batch(
+                [got[seq][-1] if j else seq.token_ids[-1] for seq in active],
+                [seq.num_tokens - 1 + j for seq in active],
+                [seq.block_table for seq in active],
+                r.page_size, pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp,
+            )  # fmt: skip
             r.shapes_seen.add((Tp, Sp, Pp))
-            out = self._run(StepBatch(tok, pos, slot, qs, cl, pt, rows),
-                            self._sampling(Sp, Pp, cl.copy(), active))  # fmt: skip
+            out = self._run(batch, self._sampling(Sp, Pp, batch.context_lens.copy(), active))
             toks = np.asarray(jax.device_get(out.tokens))[:S]
             for seq, t in zip(active, toks, strict=True):
                 got[seq].append(int(t))

@@ -34,16 +34,17 @@ from serving.block_manager import BlockManager
 from serving.faults import EngineStepError, FaultIsolation
 from serving.metrics import EngineMetrics
 from serving.model_runner import ModelRunner
-from serving.outputs import RequestOutput, detokenize, observe_latency, request_output
+from serving.outputs import Reporting, RequestUpdate
 from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
 from serving.scheduler import Scheduler
+from serving.scoring import Scoring, split_scores
 from serving.sequence import Request, Sequence, Status, derive_seed
 from serving.shapes import kv_pool
 from serving.speculative import SpecCollector, Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
 
-class Engine(FaultIsolation):
+class Engine(FaultIsolation, Reporting, Scoring):
     """Continuous batching over one model replica. Not thread-safe: drive it from one thread."""
 
     def __init__(
@@ -143,6 +144,7 @@ class Engine(FaultIsolation):
         self.async_scheduling = resolve_async(async_scheduling)
         self._inflight: tuple[list, Any] | None = None  # a step dispatched ahead, not yet fetched
         self.num_steps_ahead = 0  # steps dispatched before their input tokens reached the host
+        self.num_mixed_steps = 0  # steps that ran score requests beside sampling ones
         # Test hook for fault injection: called with each scheduled sequence while the step's
         # batch is built; whatever it raises is treated as that sequence's fault.
         self.fault_injector: Callable[[Sequence], None] | None = None
@@ -204,7 +206,7 @@ class Engine(FaultIsolation):
         return bool(self.requests)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestUpdate]:
         """One engine iteration; returns outputs for requests that made visible progress.
 
         With `async_scheduling`, a step whose sequences all sample and are all the running ones
@@ -224,9 +226,13 @@ class Engine(FaultIsolation):
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
                     self.metrics.observe("queue", now - seq.arrival_time)
+        scoring: list[tuple[Sequence, int]] = []  # this step's score requests (scoring.py)
         try:
             if plan and out is None:
-                plan, prepared = self._prepare(plan)
+                plan, (prepared, score_in) = self._prepare(plan)
+                plan, scoring = split_scores(plan)
+                scored = self._dispatch_score(score_in)
+                self.num_mixed_steps += bool(plan and scoring)
                 if plan:
                     out = self.runner.dispatch(*prepared)
                     if self.speculator is not None:  # a draft model's cache follows
@@ -242,6 +248,8 @@ class Engine(FaultIsolation):
                 if self.speculator is not None and self.speculator.rejection:
                     res.update(self.speculator.fetch_extra(out, sum(nrows)))
                 self._apply(plan, res, nrows)
+            if scoring:
+                self._apply_scores(scoring, scored)
             if self._inflight is not None and not any(
                 s.status is Status.RUNNING for s, _ in self._inflight[0]
             ):
@@ -253,7 +261,7 @@ class Engine(FaultIsolation):
             log.exception("engine step failed and no single request explains it")
             self.recover(f"engine step failed: {type(e).__name__}: {e}")
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}") from e
-        self._update_gauges(plan)
+        self._update_gauges(plan + scoring)
         return outputs
 
     def _dispatch_ahead(self, plan: list[tuple[Sequence, int]], out: Any) -> Any:
@@ -333,32 +341,6 @@ class Engine(FaultIsolation):
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
-    def _report(self) -> list[RequestOutput]:
-        """Detokenise pending sequences, apply stop strings, and build the per-request outputs."""
-        touched: dict[str, None] = {}
-        now = time.perf_counter()
-        for seq in list(self._pending):
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            try:
-                if req.error is None:
-                    detokenize(seq, self.tokenizer, self.scheduler.finish)
-            except Exception as e:  # noqa: BLE001 - one request's text cannot hurt the others
-                log.warning("request %s failed in detokenisation: %r", seq.request_id, e)
-                self.fail_request(seq.request_id, f"detokenisation failed: {e}")
-            observe_latency(seq, now, self.metrics)
-            touched[seq.request_id] = None
-        self._pending.clear()
-        outputs = []
-        for rid in touched:
-            req = self.requests[rid]
-            out = request_output(req, now, self.metrics)
-            if out.finished:
-                del self.requests[rid]
-            outputs.append(out)
-        return outputs
-
     def _update_gauges(self, plan: list[tuple[Sequence, int]]) -> None:
         self.num_steps += 1
         if plan:
@@ -387,10 +369,10 @@ class Engine(FaultIsolation):
             self.warm.add(kind)
         return dt
 
-    def run(self) -> list[RequestOutput]:
+    def run(self) -> list[RequestUpdate]:
         """Step until every request finished; return the final output of each (arrival order)."""
         order = list(self.requests)
-        final: dict[str, RequestOutput] = {}
+        final: dict[str, RequestUpdate] = {}
         while self.has_unfinished():
             for o in self.step():
                 if o.finished:

@@ -49,16 +49,19 @@ class FaultIsolation:
                     log.warning("request %s failed while its batch was built: %r", rid, e)
                     self.fail_request(rid, f"{type(e).__name__}: {e}")
                 plan = [(s, n) for s, n in plan if s.request_id not in bad]
-        return plan, None
+        return plan, (None, None)
 
-    def _prepare_rows(self, plan: list[tuple[Sequence, int]]) -> Any:
+    def _prepare_rows(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
+        """(the sampling rows' inputs, the score rows' inputs); None where the step has none."""
         if self.fault_injector is not None:
             for seq, _ in plan:
                 self.fault_injector(seq)
-        prepared = self.runner.prepare(plan)
-        if self.speculator is not None:  # rejection mode: each verify row's draft (issue 13)
-            prepared = self.speculator.verify_inputs(plan, prepared)
-        return prepared
+        sampling = [(s, n) for s, n in plan if not s.is_score]
+        scoring = [(s, n) for s, n in plan if s.is_score]
+        prepared = self.runner.prepare(sampling) if sampling else None
+        if prepared is not None and self.speculator is not None:  # rejection mode (issue 13)
+            prepared = self.speculator.verify_inputs(sampling, prepared)
+        return prepared, self.runner.prepare_score(scoring) if scoring else None
 
     def _faulty(self, item: list[tuple[Sequence, int]]) -> bool:
         try:

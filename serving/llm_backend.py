@@ -12,10 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.block_manager import cdiv
 from serving.engine import Engine
-from serving.sampling_options import SamplingOptions
-from serving.sequence import Sequence as Seq
 
 _IDS = itertools.count()
 
@@ -98,20 +95,14 @@ def stream(engine: Engine, prompt_token_ids: Sequence[int], sampling_params: Any
 def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Teacher-forced log-probs: out[b][i - 1] = log p(tokens[i] | tokens[:i]) for i >= 1.
 
-    Runs the same shape set, the same kernels and the same KV cache as generation; the score
-    function's shapes are compiled on its first use (`Engine.warmup("score")`). Many sequences
-    share each step (packed up to `max_num_batched_tokens` tokens and `max_num_seqs` sequences,
-    long ones chunked), as a trainer's batch would: in the invariant modes the result is bitwise
-    the sampler's log-probs however the sequences are packed.
+    One score request per sequence (serving/scoring.py), scheduled like any request: packed up to
+    `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step, long ones chunked,
+    preempted and recomputed when pages run short, on the same shape set, kernels and KV cache as
+    generation (the score function's shapes are compiled on first use, `Engine.warmup("score")`).
+    In the invariant modes the result is bitwise the sampler's log-probs however it is packed.
     """
-    from jdet.batch import build_batch
-
     if engine.has_unfinished():
         raise RuntimeError("score() needs an idle engine (the server is using this one)")
-    bm, runner, B = engine.block_manager, engine.runner, engine.page_size
-    fn = runner.score_step()
-    budget = engine.max_num_batched_tokens
-    max_seqs = runner.shapes.max_seqs  # a step's sequences, as for generation
     seqs = [[int(t) for t in toks] for toks in token_ids]
     for b, toks in enumerate(seqs):
         if len(toks) > engine.max_model_len:
@@ -119,54 +110,20 @@ def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray
                 f"sequence {b} has {len(toks)} tokens but max_model_len is {engine.max_model_len}"
             )
     out = [np.zeros(max(len(t) - 1, 0), np.float32) for t in seqs]
-    todo = [b for b, t in enumerate(seqs) if len(t) > 1]
-    while todo:
-        # a group of sequences whose pages fit at once (at least one)
-        group: list[tuple[int, Seq]] = []
-        for b in todo:
-            seq = Seq(f"score-{b}", 0, seqs[b], SamplingOptions(), seed=0)
-            if not bm.grow(seq, len(seqs[b])):
-                if not group:
-                    raise RuntimeError(
-                        f"sequence {b} needs {cdiv(len(seqs[b]), B)} KV pages; too few free"
-                    )
-                break
-            group.append((b, seq))
-        todo = todo[len(group) :]
-        try:
-            # the last token has no target: feed tokens 0..n-2, packed into budget-sized steps
-            work = [(b, 0, len(seqs[b]) - 1) for b, _ in group]
-            pages = {b: list(seq.block_table) for b, seq in group}
-            while work:
-                step, used, rest = [], 0, []
-                for b, start, end in work:
-                    n = min(end - start, budget - used) if len(step) < max_seqs else 0
-                    if n > 0:
-                        step.append((b, start, n))
-                        used += n
-                    if start + n < end:
-                        rest.append((b, start + n, end))
-                work = rest
-                items = [(seqs[b][st : st + n], st, pages[b]) for b, st, n in step]
-                Pm = max(len(p) for _, _, p in items)
-                Tp, Sp, Pp = runner.shapes.fit(used, len(step), Pm)  # the warmed-up set
-                batch, _ = build_batch(items, B, logits="all", pad_tokens=Tp, pad_seqs=Sp,
-                                       pad_pages=Pp)  # fmt: skip
-                rows = np.zeros(Tp, np.int32)
-                rows[:used] = batch.logits_rows
-                batch.logits_rows = rows
-                targets = np.zeros(Tp, np.int32)
-                r = 0
-                for b, st, n in step:
-                    targets[r : r + n] = seqs[b][st + 1 : st + n + 1]
-                    r += n
-                runner.kv, res = fn(runner.params, runner.kv, batch, targets)
-                res = np.asarray(res)
-                r = 0
-                for b, st, n in step:
-                    out[b][st : st + n] = res[r : r + n]
-                    r += n
-        finally:
-            for _, seq in group:
-                bm.release(seq)
+    rids = {}
+    try:
+        for b, toks in enumerate(seqs):
+            if len(toks) > 1:  # one token has nothing to score
+                rid = f"score-{next(_IDS)}"
+                engine.add_score(rid, toks)
+                rids[rid] = b
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    if o.error is not None:
+                        raise RuntimeError(f"score of sequence {rids[o.request_id]}: {o.error}")
+                    out[rids[o.request_id]][:] = o.scores
+    finally:
+        for rid in rids:
+            engine.abort(rid)  # an error or interrupt leaves the engine idle, its pages free
     return out

@@ -137,58 +137,79 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host side
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
-        """The padded numpy StepBatch and SamplingInputs for `plan`: one sampled row per
-        sequence, k + 1 for a speculative verify of k drafts (serving/speculative.py)."""
-        from jdet.batch import StepBatch
+        """The padded numpy StepBatch and SamplingInputs for `plan` (sequences that sample): one
+        sampled row per sequence, k + 1 for a speculative verify of k drafts
+        (serving/speculative.py)."""
+        from jdet.batch import build_batch
         from jdet.step import SamplingInputs
         from serving.speculative import num_rows, step_tokens
 
-        B = self.page_size
         T = sum(n for _, n in plan)
-        S = len(plan)
         R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
         Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.block_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
-        tok = np.zeros(Tp, np.int32)
-        pos = np.zeros(Tp, np.int32)
-        slot = np.full(Tp, -1, np.int32)
-        qs = np.zeros(Sp + 1, np.int32)
-        cl = np.zeros(Sp, np.int32)
-        pt = np.zeros((Sp, Pp), np.int32)
-        rows = np.zeros(Sp, np.int32)
+        items = [(step_tokens(s, n), s.num_computed_tokens, s.block_table) for s, n in plan]
+        batch, _ = build_batch(items, self.page_size, logits=R, pad_tokens=Tp, pad_seqs=Sp,
+                               pad_pages=Pp, pad_rows=Sp)  # fmt: skip
         temp = np.zeros(Sp, np.float32)
         top_k = np.zeros(Sp, np.int32)
         top_p = np.ones(Sp, np.float32)
         seed = np.zeros(Sp, np.uint32)
         spos = np.zeros(Sp, np.int32)
-        t0 = r0 = 0
+        r0 = 0
         first_row = []
         for s, (seq, n) in enumerate(plan):
-            start = seq.num_computed_tokens
-            p = np.arange(start, start + n, dtype=np.int32)
-            pages = np.asarray(seq.block_table, np.int32)
-            tok[t0 : t0 + n] = step_tokens(seq, n)
-            pos[t0 : t0 + n] = p
-            slot[t0 : t0 + n] = pages[p // B] * B + p % B
-            qs[s + 1] = t0 + n
-            cl[s] = start + n
-            pt[s, : len(pages)] = pages
+            end = seq.num_computed_tokens + n
             r = slice(r0, r0 + R[s])  # the sequence's last R[s] tokens are sampled
             first_row.append(r0)
-            rows[r] = np.arange(t0 + n - R[s], t0 + n)
             o = seq.options
             temp[r], top_k[r], top_p[r] = o.temperature, o.top_k, o.top_p
             seed[r] = seq.seed
-            spos[r] = np.arange(start + n - R[s], start + n) + 1  # where each sample goes
-            t0 += n
+            spos[r] = np.arange(end - R[s], end) + 1  # where each sample goes
             r0 += R[s]
-        qs[S + 1 :] = t0
-        batch = StepBatch(tok, pos, slot, qs, cl, pt, rows)
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
-            logits=self.logits_rows.build(plan, Sp, Pp * B, first_row),
+            logits=self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row),
         )  # fmt: skip
         return batch, sampling
+
+    def prepare_score(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, np.ndarray]:
+        """The padded numpy StepBatch and targets [T] of score requests (`Sequence.targets`):
+        every computed row gives the log-prob of the token after it (the score function's
+        shapes: logits rows padded to the T bucket)."""
+        from jdet.batch import build_batch
+
+        T = sum(n for _, n in plan)
+        Tp, Sp, Pp = self.shapes.fit(T, len(plan), max(len(s.block_table) for s, _ in plan))
+        items, targets, t0 = [], np.zeros(Tp, np.int32), 0
+        for seq, n in plan:
+            start = seq.num_computed_tokens
+            items.append((seq.token_ids[start : start + n], start, seq.block_table))
+            targets[t0 : t0 + n] = seq.targets[start : start + n]
+            t0 += n
+        batch, _ = build_batch(items, self.page_size, logits="all", pad_tokens=Tp, pad_seqs=Sp,
+                               pad_pages=Pp, pad_rows=Tp)  # fmt: skip
+        return batch, targets
+
+    def dispatch_score(self, batch: Any, targets: np.ndarray) -> Any:
+        """Launch the score function on a `prepare_score` batch (asynchronous, like `dispatch`):
+        its result is the f32 [T] log-probs of the targets."""
+        self.kv, out = self.score_step()(self.params, self.kv, batch, targets)
+        return out
+
+    def as_step(self, batch: Any) -> tuple[Any, Any]:
+        """A `prepare_score` batch as a step's inputs (rows: the S bucket's, greedy), for a
+        separate draft model, which writes its own K/V of the same tokens (its `mirror`)."""
+        from jdet.step import SamplingInputs
+
+        Sp, Pp = batch.page_table.shape
+        z = np.zeros(Sp, np.float32)
+        sampling = SamplingInputs(
+            temperature=z, top_k=np.zeros(Sp, np.int32), top_p=z + 1,
+            seed=np.zeros(Sp, np.uint32), position=np.zeros(Sp, np.int32),
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
+        )  # fmt: skip
+        return dataclasses.replace(batch, logits_rows=np.zeros(Sp, np.int32)), sampling
 
     def prepare_ahead(self, plan: list[tuple[Sequence, int]], tokens: Any) -> tuple | None:
         """The decode step after the one in flight, one row per sequence in the same order, its
@@ -196,10 +217,9 @@ class ModelRunner:
         host): sequence i's new token sits at position seq.num_tokens (the host does not know
         it yet). None when `tokens` does not have the step's token shape (S bucket != T bucket:
         the caller then runs the step the ordinary way, after the host has the tokens)."""
-        from jdet.batch import StepBatch
+        from jdet.batch import decode_batch
         from jdet.step import SamplingInputs
 
-        B = self.page_size
         S = len(plan)
         Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.block_table) for s, _ in plan))
         if tuple(tokens.shape) != (Tp,):
@@ -207,32 +227,22 @@ class ModelRunner:
         if any(s.options.needs_logits_inputs for s, _ in plan):
             return None  # penalties, masks, grammar read the previous token on the host (issue 19)
         self.shapes_seen.add((Tp, Sp, Pp))
-        pos = np.zeros(Tp, np.int32)
-        slot = np.full(Tp, -1, np.int32)
-        qs = np.full(Sp + 1, S, np.int32)
-        qs[: S + 1] = np.arange(S + 1, dtype=np.int32)
-        cl = np.zeros(Sp, np.int32)
-        pt = np.zeros((Sp, Pp), np.int32)
-        rows = np.zeros(Sp, np.int32)
-        rows[:S] = np.arange(S, dtype=np.int32)
+        batch = decode_batch([0] * S, [s.num_tokens for s, _ in plan],
+                             [s.block_table for s, _ in plan], self.page_size,
+                             pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
+        batch.token_ids = tokens
         temp = np.zeros(Sp, np.float32)
         top_k = np.zeros(Sp, np.int32)
         top_p = np.ones(Sp, np.float32)
         seed = np.zeros(Sp, np.uint32)
         for s, (seq, _) in enumerate(plan):
-            p = seq.num_tokens
-            pages = np.asarray(seq.block_table, np.int32)
-            pos[s] = p
-            slot[s] = pages[p // B] * B + p % B
-            cl[s] = p + 1
-            pt[s, : len(pages)] = pages
             o = seq.options
             temp[s], top_k[s], top_p[s] = o.temperature, o.top_k, o.top_p
             seed[s] = seq.seed
-        batch = StepBatch(tokens, pos, slot, qs, cl, pt, rows)
         sampling = SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=cl.copy(),
-            logits=self.logits_rows.neutral(Sp, Pp * B),
+            temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
+            position=batch.context_lens.copy(),
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
         )  # fmt: skip
         return batch, sampling
 

@@ -1,19 +1,27 @@
-"""What the engine reports: one `RequestOutput` per request that made progress in a step, one
-`CompletionOutput` per sample, and the text behind them (incremental detokenisation and stop
+"""What the engine reports: one `RequestUpdate` per request that made progress in a step, one
+`CompletionUpdate` per sample, and the text behind them (incremental detokenisation and stop
 strings, matched token by token across token boundaries).
+
+Why "Update": these are the engine's streaming states (cumulative text and tokens plus the delta
+since the last report, the seed, timings); the offline API turns a request's final update into
+the public `jdet.RequestOutput` (jdet/sampling_params.py; serving/llm_backend.py).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from serving.sequence import Request, Sequence
 
+log = logging.getLogger("jdet.engine")
+
 
 @dataclass
-class CompletionOutput:
+class CompletionUpdate:
     """One sample's state. `text`, `token_ids`, `logprobs` are cumulative (what was reported so
     far); `delta_*` are what is new since the previous output of this request."""
 
@@ -34,16 +42,18 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestOutput:
+class RequestUpdate:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionUpdate]
     finished: bool
     seed: int  # the request's seed (chosen at admission when the request gave none)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (max over samples)
     num_preemptions: int = 0  # recompute preemptions its samples went through
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine ended this request (finish_reason "error")
+    # a score request's log-probs (serving/scoring.py): scores[i - 1] = log p(t_i | t_<i)
+    scores: list[float] | None = None
 
 
 def detokenize(seq: Sequence, tok: Any, finish: Callable[[Sequence], None]) -> None:
@@ -84,7 +94,7 @@ def detokenize(seq: Sequence, tok: Any, finish: Callable[[Sequence], None]) -> N
                 return
 
 
-def completion_output(seq: Sequence) -> CompletionOutput:
+def completion_update(seq: Sequence) -> CompletionUpdate:
     """`seq`'s output so far; marks what it returns as emitted (the next output's deltas start
     there). Text that could be the start of a stop string is held back until it is not."""
     if seq.is_finished or not seq.options.stop:
@@ -96,7 +106,7 @@ def completion_output(seq: Sequence) -> CompletionOutput:
     start = seq.emitted_tokens
     seq.emitted_chars, seq.emitted_tokens = visible, seq.num_output_tokens
     out_ids = seq.output_token_ids
-    return CompletionOutput(
+    return CompletionUpdate(
         index=seq.index,
         seed=seq.seed,
         text=seq.text[:visible],
@@ -125,13 +135,13 @@ def observe_latency(seq: Sequence, now: float, metrics: Any) -> None:
     seq.last_token_time = now
 
 
-def request_output(req: Request, now: float, metrics: Any) -> RequestOutput:
+def request_update(req: Request, now: float, metrics: Any) -> RequestUpdate:
     """The output of one engine request now. When every sample has finished, its end-to-end
     latency and finish reasons are counted in `metrics` and its e2e / TTFT returned in
-    `RequestOutput.metrics`."""
-    comps = [completion_output(s) for s in req.seqs]
+    `RequestUpdate.metrics`."""
+    comps = [completion_update(s) for s in req.seqs]
     finished = all(s.is_finished for s in req.seqs)
-    out = RequestOutput(
+    out = RequestUpdate(
         req.request_id,
         req.prompt_token_ids,
         comps,
@@ -142,6 +152,8 @@ def request_output(req: Request, now: float, metrics: Any) -> RequestOutput:
         error=req.error,
     )
     if finished:
+        if req.seqs[0].is_score and req.error is None:
+            out.scores = list(req.seqs[0].scores)
         e2e = now - req.arrival_time
         metrics.observe("e2e", e2e)
         for s in req.seqs:
@@ -149,3 +161,33 @@ def request_output(req: Request, now: float, metrics: Any) -> RequestOutput:
         first = [s.first_token_time for s in req.seqs if s.first_token_time]
         out.metrics = {"e2e": e2e, "ttft": min(first) - req.arrival_time if first else e2e}
     return out
+
+
+class Reporting:
+    """`Engine._report` (serving/engine.py mixes it in): what a step shows its callers."""
+
+    def _report(self) -> list[RequestUpdate]:
+        """Detokenise pending sequences, apply stop strings, and build the per-request outputs."""
+        touched: dict[str, None] = {}
+        now = time.perf_counter()
+        for seq in list(self._pending):
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            try:
+                if req.error is None:
+                    detokenize(seq, self.tokenizer, self.scheduler.finish)
+            except Exception as e:  # noqa: BLE001 - one request's text cannot hurt the others
+                log.warning("request %s failed in detokenisation: %r", seq.request_id, e)
+                self.fail_request(seq.request_id, f"detokenisation failed: {e}")
+            observe_latency(seq, now, self.metrics)
+            touched[seq.request_id] = None
+        self._pending.clear()
+        outputs = []
+        for rid in touched:
+            req = self.requests[rid]
+            out = request_update(req, now, self.metrics)
+            if out.finished:
+                del self.requests[rid]
+            outputs.append(out)
+        return outputs

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.outputs import CompletionOutput, RequestOutput
+from serving.outputs import CompletionUpdate, RequestUpdate
 from serving.protocol import RequestError
 
 log = logging.getLogger("jdet.server")
@@ -34,7 +34,7 @@ def token_str(tok: Any, token_id: int) -> str:
 
 
 def completion_logprobs(
-    tok: Any, c: CompletionOutput, start: int, end: int, text_offset: int
+    tok: Any, c: CompletionUpdate, start: int, end: int, text_offset: int
 ) -> dict:
     ids = c.token_ids[start:end]
     strs = [token_str(tok, t) for t in ids]
@@ -53,7 +53,7 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(tok: Any, c: CompletionOutput, start: int, end: int) -> dict:
+def chat_logprobs(tok: Any, c: CompletionUpdate, start: int, end: int) -> dict:
     content = []
     for k in range(start, end):
         s = token_str(tok, c.token_ids[k])
@@ -72,19 +72,19 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def stream_finish(c: CompletionOutput) -> str | None:
+def stream_finish(c: CompletionUpdate) -> str | None:
     """A streamed choice's finish_reason: an abort (the client left) is not reported."""
     return c.finish_reason if c.finish_reason != "abort" else None
 
 
 async def sse_stream(
-    outputs: AsyncIterator[RequestOutput | str],
+    outputs: AsyncIterator[RequestUpdate | str],
     head: dict,
     first: list[dict],
-    choice: Callable[[RequestOutput, CompletionOutput], dict],
+    choice: Callable[[RequestUpdate, CompletionUpdate], dict],
     *,
     include_usage: bool,
-    usage: Callable[[dict[str, RequestOutput]], dict],
+    usage: Callable[[dict[str, RequestUpdate]], dict],
 ) -> AsyncIterator[str]:
     """The SSE events of one response: the `first` chunks, then one chunk per choice with new
     text or tokens (or its finish), written by `choice(output, completion)`; the usage chunk if
@@ -92,7 +92,7 @@ async def sse_stream(
     extra = {"usage": None} if include_usage else {}
     for chunk in first:
         yield sse(chunk)
-    finals: dict[str, RequestOutput] = {}
+    finals: dict[str, RequestUpdate] = {}
     done: set[tuple[str, int]] = set()
     async for o in outputs:
         if isinstance(o, str):  # the error event: the stream ends here
@@ -113,7 +113,7 @@ async def sse_stream(
     yield DONE
 
 
-async def collect(outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOutput]:
+async def collect(outputs: AsyncIterator[RequestUpdate]) -> dict[str, RequestUpdate]:
     """The final output of every request (a non-streaming response)."""
     finals = {}
     async for o in outputs:
@@ -124,7 +124,7 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOut
 
 async def results(
     driver: Any, rids: list[str], q: asyncio.Queue, request: Any = None
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncIterator[RequestUpdate]:
     """Outputs of these engine requests until all finish; aborts the rest if cancelled.
 
     With `request` (non-streaming responses, which Starlette does not cancel when the client
@@ -155,7 +155,7 @@ async def results(
             driver.abort(rid)
 
 
-async def guarded(it: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput | str]:
+async def guarded(it: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate | str]:
     """A stream's outputs; an error after the 200 went out becomes one SSE error event and
     `data: [DONE]` (the connection ends cleanly instead of breaking mid-stream)."""
     try:
@@ -165,7 +165,7 @@ async def guarded(it: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutp
         yield sse(e.body()) + DONE
 
 
-def usage(prompts: list[list[int]], finals: dict[str, RequestOutput]) -> dict:
+def usage(prompts: list[list[int]], finals: dict[str, RequestUpdate]) -> dict:
     p = sum(len(x) for x in prompts)
     c = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

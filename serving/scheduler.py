@@ -9,6 +9,11 @@ When a running sequence needs a page and none is free, the newest running sequen
 by recomputation: its pages are released (their prefix hashes survive, so the recompute is mostly
 a cache hit) and it goes back to the head of the waiting queue.
 
+A score request (`Sequence.is_score`: prefill-only, log-probs on every row) is scheduled like any
+prompt, in the same steps, budget and page pool as sampling requests; it reads from the prefix
+cache only the rows it has already scored (after a preemption), since every other row's log-prob
+needs that row computed.
+
 Chunk boundaries may fall anywhere: output bits do not depend on them, because the kernels are
 chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
 
@@ -85,7 +90,7 @@ class Scheduler:
         pages (a draft never preempts anyone; it shrinks to what fits)."""
         for seq, n in list(plan.items()):
             k = min(len(seq.draft_token_ids), budget[0])
-            if k < 1 or n != 1 or seq.num_uncomputed != 1:
+            if k < 1 or n != 1 or seq.num_uncomputed != 1 or seq.is_score:
                 continue
             k = min(k, self.bm.tokens_fitting(seq, self.bm.num_free) - 1)
             if k >= 1 and self.bm.grow(seq, 1 + k):
@@ -120,6 +125,8 @@ class Scheduler:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.match_prefix(seq)
+            if seq.is_score:  # a row's log-prob needs its logits: only rows already scored
+                cached = cached[: seq.num_scored // self.bm.page_size]  # (kept over preemption)
             revived = sum(1 for p in cached if self.bm.ref_count[p] == 0)
             avail = self.bm.num_free - revived - self.bm.watermark_pages
             uncomputed = seq.num_tokens - len(cached) * self.bm.page_size

@@ -60,6 +60,12 @@ class Sequence:
     num_preemptions: int = 0
     # speculative decoding (serving/speculative.py): this step's draft, set before scheduling
     draft_token_ids: list[int] = field(default_factory=list)
+    # a score request (Engine.add_score): prefill-only, samples nothing. Row i of token_ids gives
+    # scores[i] = log p(targets[i] | token_ids[: i + 1]); rows below num_scored are known (kept
+    # over a preemption, so the recompute may read those rows' K/V from the prefix cache)
+    targets: list[int] | None = None
+    scores: list[float] = field(default_factory=list)
+    num_scored: int = 0
     # outputs
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -81,6 +87,10 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         self.read_offset = self.detok_end = len(self.prompt_token_ids)
         self.prefix_offset = max(0, self.read_offset - 5)  # a little context for leading spaces
+        if self.targets is not None:
+            if len(self.targets) != len(self.token_ids):
+                raise ValueError("a score sequence needs one target per token")
+            self.scores = [0.0] * len(self.targets)
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +112,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens whose K/V is not yet in the cache (1 for a decode, more while prefilling)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_score(self) -> bool:
+        """A score request's sequence (no sampling; log-probs of `targets` on every row)."""
+        return self.targets is not None
 
     @property
     def is_finished(self) -> bool:

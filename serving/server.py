@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.auth import ApiKeyMiddleware
 from serving.driver import ServerState
 from serving.engine import Engine
-from serving.outputs import RequestOutput
+from serving.outputs import RequestUpdate
 from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
 from serving.request_parsing import check_prompt, parse, sampling_options
 from serving.responses import (
@@ -241,7 +241,7 @@ def build_app(
                 for j in (range(n) if text else ())
             ]
 
-            def choice(o: RequestOutput, c: Any) -> dict:
+            def choice(o: RequestUpdate, c: Any) -> dict:
                 key = (o.request_id, c.index)
                 lp = None
                 if want_lp:
@@ -337,7 +337,7 @@ def build_app(
                 for i in range(req.n)
             ]
 
-            def choice(o: RequestOutput, c: Any) -> dict:
+            def choice(o: RequestUpdate, c: Any) -> dict:
                 lp = None
                 if req.logprobs:
                     lp = chat_logprobs(tok, c, c.delta_start, len(c.token_ids))

@@ -66,6 +66,17 @@ ARCH_CONFIGS = {
 }
 
 
+def pytest_configure(config):
+    """Under xdist (`-n 2`, the README's command), distribute as `--dist loadgroup`: tests one by
+    one as `load` does, but a module marked `xdist_group(...)` runs on one worker. Why: such a
+    module's tests share minutes of module-scoped fixtures and compiled steps, which `load` would
+    build on both workers. An explicit `--dist` is kept; without xdist this does nothing."""
+    explicit = any(a.startswith("--dist") for a in config.invocation_params.args)
+    if config.pluginmanager.hasplugin("xdist") and not explicit:
+        if config.getoption("dist", "no") == "load":
+            config.option.dist = "loadgroup"
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     skip_gpu = pytest.mark.skip(reason="needs a GPU (run on the device: -m gpu)")

@@ -17,6 +17,10 @@ import pytest
 
 import jdet
 
+# One xdist worker for the whole module: its tests share the model's compiled steps
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("invariance")
+
 MODES = ["tp", "batch"]
 
 

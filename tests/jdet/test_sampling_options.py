@@ -32,6 +32,10 @@ from serving.engine import Engine
 from serving.logits_rows import pack_allowed
 from tests.serving.conftest import write_tiny_model
 
+# One xdist worker for the whole module: its tests share its model, engine and compiled steps
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("sampling_options")
+
 V = 320  # the tiny serving model's vocabulary
 OPS = Ops("tp")
 

@@ -24,6 +24,10 @@ from serving.block_manager import BlockManager
 from serving.engine import Engine
 from serving.llm_backend import score
 
+# One xdist worker for the whole module: its tests share the reference runs and compiled steps
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("engine_invariance")
+
 MODES = ["tp", "none"]
 PAGE = 8
 MAX_LEN = 128

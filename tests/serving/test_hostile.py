@@ -18,6 +18,10 @@ import time
 import httpx
 import pytest
 
+# One xdist worker for the whole module: its tests share one server (start-up and compiles)
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("hostile")
+
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 256 * 1024

@@ -16,6 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# One xdist worker for the whole module: its tests share one server subprocess (start, compiles)
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("server")
+
 KEY = "sk-test-jdet"
 ROOT = Path(__file__).resolve().parents[2]
 

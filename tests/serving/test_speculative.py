@@ -24,6 +24,10 @@ from jdet.spec_config import SpeculativeConfig
 from serving.engine import Engine
 from serving.speculative import Speculator, ngram_draft
 
+# One xdist worker for the whole module: its tests share the reference outputs and compiled steps
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("speculative")
+
 BUDGET = 32
 PAGE = 8
 MAX_LEN = 128

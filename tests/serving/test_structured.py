@@ -18,6 +18,10 @@ import pytest
 
 import jdet
 
+# One xdist worker for the whole module: its tests share the module's engine and compiled steps
+# (tests/conftest.py: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("structured")
+
 S = {"type": "string", "maxLength": 8}
 I = {"type": "integer", "minimum": -50, "maximum": 999}  # noqa: E741
 SCHEMAS = [

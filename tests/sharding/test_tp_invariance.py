@@ -19,7 +19,11 @@ from jdet.plan import prepare_params
 from jdet.step import init_kv_cache, make_score_fn
 from tests.sharding import tiny
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+# xdist_group: one worker runs the module, whose tests share the cached TP 1/2/4/8 scores.
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices"),
+    pytest.mark.xdist_group("tp_invariance"),
+]
 
 TPS = (1, 2, 4, 8)
 PROMPT_LENS = (7, 4)

@@ -1,0 +1,91 @@
+"""Score requests: teacher-forced log-probs as a request kind of the engine's one scheduler.
+
+Why a request kind and not a loop of its own: a score request then gets what every request gets
+(the token budget, chunked prefill, preemption, the page pool and its accounting, the prefix
+cache) and shares steps with sampling requests, so a server can score and generate at once.
+
+A score request of tokens t_0..t_{n-1} is one prefill-only sequence of t_0..t_{n-2}
+(`Sequence.targets` = t_1..t_{n-1}) whose row i gives scores[i] = log p(t_{i+1} | t_0..t_i); it
+samples nothing and finishes (reason "stop") once every row is scored. The scheduler treats it as
+a prompt; in a step, its rows go to the score function (jdet/step.py `make_score_fn`: log-probs
+on every token row) and the sampling rows to the step function: one schedule, one budget, one
+page pool, two device calls (sampling and scoring compile to two functions of the same forward).
+Since no row's bits depend on the batch (DESIGN §1), a score is bitwise the sampler's log-probs
+of the same tokens however it is chunked, batched or preempted.
+
+Prefix cache: a row's log-prob needs that row's logits, so a score request reads cached pages
+only for rows it has already scored (the recompute after a preemption, serving/scheduler.py);
+its computed pages are published like any prompt's, so a later request with that prefix hits.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
+from serving.sequence import Request, Sequence, Status
+
+
+class Scoring:
+    """The score-request methods of serving/engine.py's `Engine` (module docstring)."""
+
+    requests: dict[str, Request]
+    num_mixed_steps: int
+
+    def add_score(
+        self, request_id: str, token_ids: list[int], arrival_time: float | None = None
+    ) -> None:
+        """Queue a score request of `token_ids` (at least 2 tokens, at most max_model_len); its
+        final output carries `scores` (len(token_ids) - 1 log-probs)."""
+        if not isinstance(request_id, str) or request_id in self.requests:
+            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
+        if not isinstance(token_ids, list | tuple) or len(token_ids) < 2:
+            raise InvalidRequest(
+                "token_ids", "a score request needs at least 2 tokens (the first has no log-prob)"
+            )
+        V, L = self.cfg.vocab_size, self.max_model_len
+        check_prompt_ids(list(token_ids[:-1]), vocab_size=V, max_model_len=L, field="token_ids")
+        check_prompt_ids(list(token_ids[-1:]), vocab_size=V, max_model_len=L, field="token_ids")
+        toks = [int(t) for t in token_ids]
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, 0, toks[:-1], SamplingOptions(), seed=0, arrival_time=now,
+                       targets=toks[1:])  # fmt: skip
+        self.requests[request_id] = Request(request_id, toks, 0, [seq], now)
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(toks))
+
+    def _dispatch_score(self, prepared: tuple[Any, np.ndarray] | None) -> Any:
+        """Launch this step's score rows (None: none); a separate draft model's cache follows
+        them as it follows every step (serving/draft_model.py `mirror`)."""
+        if prepared is None:
+            return None
+        out = self.runner.dispatch_score(*prepared)
+        if self.speculator is not None:
+            self.speculator.mirror(self.runner.as_step(prepared[0]))
+        return out
+
+    def _apply_scores(self, plan: list[tuple[Sequence, int]], out: Any) -> None:
+        """Record the log-probs of a step's score rows (in `plan` order, as `prepare_score` laid
+        them out), account their K/V, and finish the score requests whose rows are all scored."""
+        res = np.asarray(out)
+        r = 0
+        for seq, n in plan:
+            if seq.status is Status.RUNNING:
+                start = seq.num_computed_tokens
+                seq.scores[start : start + n] = res[r : r + n].tolist()
+                seq.num_scored = max(seq.num_scored, start + n)
+            r += n
+        self.scheduler.advance(plan)
+        for seq, _ in plan:
+            if seq.status is Status.RUNNING and seq.num_uncomputed == 0:
+                self._finish(seq, "stop")
+                self._pending[seq] = None
+
+
+def split_scores(plan: list[tuple[Sequence, int]]) -> tuple[list, list]:
+    """(the sampling entries, the score entries) of a step's plan, each in plan order."""
+    return [(s, n) for s, n in plan if not s.is_score], [(s, n) for s, n in plan if s.is_score]
+
