@@ -91,6 +91,12 @@ def summarize(trace_dir: str, steps: int) -> dict:
             by[short][0] += 1
             by[short][1] += d
         top = sorted(by.items(), key=lambda kv: -kv[1][1])[:30]
+        # One step's kernels in launch order (from the middle of the trace), to read the per-layer
+        # pattern: which launches a fusion would remove.
+        per = len(kern) // steps
+        mid = kern[per * (steps // 2) : per * (steps // 2) + per]
+        out["sequence"] = [(round((s - mid[0][0]) / 1e3, 1), round(d / 1e3, 2), n[:80])
+                           for s, d, n in mid]  # fmt: skip
         out["top_kernels"] = [{"name": n, "per_step": c / steps, "us_per_step": t / 1e3 / steps}
                               for n, (c, t) in top]  # fmt: skip
     hb = defaultdict(lambda: [0, 0.0])

@@ -12,6 +12,7 @@ never changes a bit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,6 +37,11 @@ def bio_configs(n: int) -> dict:
         "decode64x128": mm.mosaic_config(n, out, m=1),
         "cta64x256": mm.MosaicConfig(tile_m=64, tile_n=128, tile_k=mm.BLOCK_K,
                                      max_concurrent_steps=mm._stages(64, 256, 64, 128, out)),
+        # deeper pipelines for decode: a 64-row CTA streams its K range alone, so the bytes in
+        # flight per SM (stages x tile) bound its bandwidth; 8 stages is what SMEM holds
+        "decode_s8": dataclasses.replace(mm.mosaic_config(n, out, m=1), max_concurrent_steps=8),
+        "cta64x64_s12": mm.MosaicConfig(tile_m=64, tile_n=32, tile_k=mm.BLOCK_K,
+                                        max_concurrent_steps=12, epi_tile_n=32),
     }  # fmt: skip
     return {k: c for k, c in cfgs.items() if n % c.cta_n == 0}
 
@@ -49,6 +55,9 @@ def tree_configs() -> dict:
     return {
         "narrow": mm.tree_config(4, mm.TREE_TILE_N, f32, False),
         "decode64x128": mm.tree_config(4, mm.TREE_TILE_N, f32, False, small=True),
+        "decode_s8": dataclasses.replace(
+            mm.tree_config(4, mm.TREE_TILE_N, f32, False, small=True), max_concurrent_steps=8
+        ),
     }
 
 

@@ -81,6 +81,9 @@ class Ops:
     # measured on an H100 (Llama-3-8B shape, "tp"): step 9.58 -> 8.76 ms (128: 8.99 ms), while a
     # 2048-token prefill chunk's attention goes 230 -> 290 us per layer (BENCHMARKS.md).
     attn_partition: int = 256
+    # Carry the residual stream padded to the matmuls' CTA rows (`row_pad`). Off under TP > 1
+    # (sharding/tp.py): the row-parallel partials would then all-reduce the padding rows too.
+    pad_rows: bool = True
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -89,12 +92,34 @@ class Ops:
     def invariant(self) -> bool:
         return self.invariance != "none"
 
+    # -- the rows the residual stream carries ---------------------------------------------------
+    def row_pad(self, t: int) -> int:
+        """Rows the model carries for a T-token step: on Hopper in the invariant modes, T padded
+        to the Mosaic matmuls' CTA rows (64 for T <= 64, else a multiple of 128), so that no
+        matmul pads its input (one launch each, 4 per layer) -- the padding rows are carried
+        once, like the engine's bucket padding (tokens of no sequence). Matmul rows are
+        independent, so this changes no bit of a real row. T elsewhere."""
+        if not (self.invariant and self.pad_rows):
+            return t
+        from pallas_kernels import matmul_mosaic
+        from pallas_kernels.matmul import resolve_backend
+
+        if resolve_backend(None) != "mosaic":
+            return t
+        m = matmul_mosaic.SMALL_M_ROWS if matmul_mosaic.decode_rows(t) else matmul_mosaic.BLOCK_M
+        return -(-t // m) * m
+
     # -- reductions over the hidden dimension ---------------------------------------------------
-    def rms_norm(self, x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    def rms_norm(
+        self, x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None
+    ) -> jax.Array:
+        """RMSNorm of x[T, D]; with `layer`, w is the stack [L, D] of every layer's weight."""
         if self.invariant:
             from pallas_kernels import rms_norm
 
-            return rms_norm(x, w, eps)
+            return rms_norm(x, w, eps, layer=layer)
+        if layer is not None:
+            w = w[layer]
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
         return (y.astype(x.dtype) * w).astype(x.dtype)
@@ -120,10 +145,63 @@ class Ops:
         return self.matmul(x, w)
 
     # -- attention over the paged cache ---------------------------------------------------------
+    def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:
+        """The Pallas kernel's KV partition, or None where XLA's gather attention runs."""
+        from pallas_kernels import _platform
+
+        if self.invariant:
+            if _platform.resolve(None, "paged_attention") != "pallas":
+                return None
+            return self.attn_partition
+        if _platform.platform() == "gpu":
+            return none_partition(t, batch.page_table.shape, kv["k"].shape)
+        return None
+
+    def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> dict | None:
+        """The attention kernel's batch-derived operands for this step (the same for every
+        layer), or None where no Pallas kernel runs; the model computes it once per step."""
+        t = batch.token_ids.shape[0]
+        ps = self._attn_partition(t, batch, kv)
+        if ps is None:
+            return None
+        from pallas_kernels.paged_attention_pallas import attention_meta
+
+        _, kh, num_pages, page_size, _ = kv["k"].shape
+        return attention_meta(
+            batch.page_table, batch.context_lens, batch.query_start, batch.positions, t=t,
+            g=q_heads // kh, num_pages=num_pages, page_size=page_size, partition_size=ps,
+        )  # fmt: skip
+
     def attention(
-        self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float
+        self,
+        q: jax.Array,
+        kv: dict,
+        layer: jax.Array,
+        batch: Any,
+        scale: float,
+        meta: dict | None = None,
+        out_rows: int | None = None,
     ) -> jax.Array:
-        """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V."""
+        """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V.
+        `meta`: `attention_meta` of this step; returns [out_rows or T, H, E], zeros past T."""
+        ps = self._attn_partition(q.shape[0], batch, kv)
+        if ps is not None:
+            from pallas_kernels import paged_attention
+
+            return paged_attention(
+                q,
+                kv["k"],
+                kv["v"],
+                batch.page_table,
+                batch.context_lens,
+                batch.query_start,
+                batch.positions,
+                scale=scale,
+                partition_size=ps,
+                layer=layer,
+                meta=meta,
+                out_rows=out_rows,
+            )
         if self.invariant:
             from pallas_kernels import paged_attention
 
@@ -138,27 +216,11 @@ class Ops:
                 scale=scale,
                 partition_size=self.attn_partition,
                 layer=layer,
+                out_rows=out_rows,
             )
-        from pallas_kernels import _platform
+        from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
 
-        if _platform.platform() == "gpu":
-            from pallas_kernels import paged_attention
-
-            return paged_attention(
-                q,
-                kv["k"],
-                kv["v"],
-                batch.page_table,
-                batch.context_lens,
-                batch.query_start,
-                batch.positions,
-                scale=scale,
-                partition_size=none_partition(q.shape[0], batch.page_table.shape, kv["k"].shape),
-                layer=layer,
-            )
-        from pallas_kernels.paged_attention import paged_attention_xla
-
-        return paged_attention_xla(
+        return _pad_rows(paged_attention_xla(
             q,
             kv["k"],
             kv["v"],
@@ -168,7 +230,7 @@ class Ops:
             batch.positions,
             scale=scale,
             layer=layer,
-        )
+        ), out_rows)
 
     # -- reductions over the vocabulary -----------------------------------------------------------
     def log_softmax(self, logits: jax.Array) -> jax.Array:

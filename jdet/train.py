@@ -117,12 +117,17 @@ class _XlaOps(Ops):
     """The "none" ops with XLA's gather attention on every platform: on a GPU the "none" mode's
     attention is a Pallas kernel (jdet/ops.py), which has no autodiff rule; this one does."""
 
-    def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float):
-        from pallas_kernels.paged_attention import paged_attention_xla
+    def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> None:
+        return None
 
-        return paged_attention_xla(q, kv["k"], kv["v"], batch.page_table, batch.context_lens,
-                                   batch.query_start, batch.positions, scale=scale,
-                                   layer=layer)  # fmt: skip
+    def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float,
+                  meta: Any = None, out_rows: int | None = None):  # fmt: skip
+        from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
+
+        out = paged_attention_xla(q, kv["k"], kv["v"], batch.page_table, batch.context_lens,
+                                  batch.query_start, batch.positions, scale=scale,
+                                  layer=layer)  # fmt: skip
+        return _pad_rows(out, out_rows)
 
 
 def _xla_values(cfg: ModelConfig, page_size: int) -> Callable:

@@ -85,13 +85,17 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     backend: str | None = None,
+    meta: dict | None = None,
+    out_rows: int | None = None,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
     `backend`: 'auto' (this kernel; on a CPU `xla_fixed.paged_attention`, the same KV blocks
     aligned to position 0, unless JDET_PALLAS_INTERPRET=1), 'pallas' or 'xla'. The other
     arguments are `_paged_attention_pallas`'s; `structure`, `block_rows` and the launch
-    parameters only concern the Pallas kernel.
+    parameters only concern the Pallas kernel. `meta` (the Pallas kernel's batch-derived
+    operands, `attention_meta`) and `out_rows` (return that many rows, zeros past T) let a
+    caller hoist per-step work out of its layer loop and skip the next matmul's row padding.
     """
     if _platform.resolve(backend, "paged_attention") == "pallas":
         if k_cache.dtype == jnp.uint16:  # CPU storage of a 16-bit cache (jdet/kv_cache.py)
@@ -100,7 +104,7 @@ def paged_attention(
             q, k_cache, v_cache, page_table, context_lens, query_start, positions,
             scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
             structure=structure, block_rows=block_rows, num_warps=num_warps,
-            num_stages=num_stages,
+            num_stages=num_stages, meta=meta, out_rows=out_rows,
         )  # fmt: skip
     from pallas_kernels import xla_fixed
 
@@ -118,10 +122,19 @@ def paged_attention(
             f"block_kv ({bk}) must divide partition_size ({partition_size}) and be a multiple of "
             f"the page size ({page_size})"
         )
-    return xla_fixed.paged_attention(
+    out = xla_fixed.paged_attention(
         q, k_cache, v_cache, page_table, context_lens, query_start, positions,
         scale=float(scale), block_kv=bk, layer=layer,
     )  # fmt: skip
+    return _pad_rows(out, out_rows)
+
+
+def _pad_rows(x: jax.Array, rows: int | None) -> jax.Array:
+    if rows is None or rows == x.shape[0]:
+        return x
+    if rows < x.shape[0]:
+        raise ValueError(f"out_rows ({rows}) < the number of query tokens ({x.shape[0]})")
+    return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
 def _gather_contiguous(k_cache, v_cache, page_table):

@@ -31,11 +31,52 @@ STRUCTURES = ("auto", "split", "looped")
 SPLIT_BELOW_PROGRAMS = 4096
 
 
+def attention_meta(
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    query_start: jax.Array,
+    positions: jax.Array,
+    *,
+    t: int,
+    g: int,
+    num_pages: int,
+    page_size: int,
+    partition_size: int,
+    block_rows: int = ROWS,
+) -> dict:
+    """The batch-derived operands of the kernels: query tiles, per-row limits, tile page tables.
+
+    Why apart: they depend on the step's batch and static shapes (T tokens, G query heads per kv
+    head, the pool's P pages per head), never on the layer; computed inside the layer scan they
+    cost ~4 small launches per layer on a GPU (XLA does not hoist them), so the model computes
+    them once per step (jdet/model.py). No arithmetic of the attention itself happens here.
+    """
+    s, pmax = page_table.shape
+    gp = _next_pow2(g)
+    block_q = max(1, block_rows // gp)
+    ppp = partition_size // page_size  # pages per partition
+    num_parts = max(1, -(-(pmax * page_size) // partition_size))
+    nt, tseq, tstart, tcount, tok_ok, tok_tile, tok_row = _tile_plan(query_start, t, s, block_q)
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    tok = tstart[:, None] + r[None, :]  # [NT, bq]
+    tok_valid = r[None, :] < tcount[:, None]
+    tok_c = jnp.clip(tok, 0, t - 1)
+    ctx = context_lens.astype(jnp.int32)[tseq]  # [NT]
+    lim_tok = jnp.minimum(positions.astype(jnp.int32)[tok_c] + 1, ctx[:, None])
+    lim_tok = jnp.where(tok_valid, jnp.maximum(lim_tok, 0), -1)  # [NT, bq]
+    head_ok = jnp.arange(gp) < g
+    lim = jnp.where(head_ok[None, None, :], lim_tok[:, :, None], -1).reshape(nt, block_q * gp)
+    pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    pt = jnp.pad(pt, ((0, 0), (0, num_parts * ppp - pmax)))[tseq]  # [NT, J*ppp]
+    return {"tok_c": tok_c, "lim": lim, "pt": pt, "tok_ok": tok_ok, "tok_tile": tok_tile,
+            "tok_row": tok_row}  # fmt: skip
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
         "scale", "partition_size", "block_kv", "structure", "block_rows", "num_warps",
-        "num_stages",
+        "num_stages", "out_rows",
     ),
 )  # fmt: skip
 def _paged_attention_pallas(
@@ -55,9 +96,14 @@ def _paged_attention_pallas(
     block_rows: int = ROWS,
     num_warps: int = 4,
     num_stages: int = 2,
+    meta: dict | None = None,
+    out_rows: int | None = None,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
+    Returns [out_rows or T, H, E]. `meta` is `attention_meta` of this step's batch (computed here
+    when None): it depends on the batch alone, so the model computes it once per step instead of
+    once per layer. Rows T..out_rows are zeros (the padding the next matmul wants).
     k_cache/v_cache [K, P, B, E] already hold this step's K/V. With `layer` (an int32 scalar),
     they are the whole stacked cache [L, K, P, B, E] and the kernel reads layer `layer` in place:
     slicing the layer out first would copy the layer's whole page pool on every step.
@@ -106,25 +152,21 @@ def _paged_attention_pallas(
     num_parts = max(1, -(-(pmax * page_size) // partition_size))
     plan = _Plan(partition_size, bk, page_size, float(scale) * _LOG2E, _precision(q.dtype))
 
-    nt, tseq, tstart, tcount, tok_ok, tok_tile, tok_row = _tile_plan(query_start, t, s, block_q)
+    if meta is None:
+        meta = attention_meta(
+            page_table, context_lens, query_start, positions, t=t, g=g, num_pages=num_pages,
+            page_size=page_size, partition_size=partition_size, block_rows=block_rows,
+        )  # fmt: skip
+    nt = meta["lim"].shape[0]
+    if meta["lim"].shape[1] != rows or meta["tok_c"].shape != (nt, block_q):
+        raise ValueError("`meta` was prepared for another query/head layout (attention_meta)")
+    tok_c, lim, pt = meta["tok_c"], meta["lim"], meta["pt"]
 
     # Per-tile query rows [NT, K, rows, E]: row r*gp + g is token tstart+r, head k*G+g.
-    r = jnp.arange(block_q, dtype=jnp.int32)
-    tok = tstart[:, None] + r[None, :]  # [NT, bq]
-    tok_valid = r[None, :] < tcount[:, None]
-    tok_c = jnp.clip(tok, 0, t - 1)
     qg = q.reshape(t, kh, g, e)
     if gp != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     q_tiles = qg[tok_c].transpose(0, 2, 1, 3, 4).reshape(nt, kh, rows, e)
-    ctx = context_lens.astype(jnp.int32)[tseq]  # [NT]
-    lim_tok = jnp.minimum(positions.astype(jnp.int32)[tok_c] + 1, ctx[:, None])
-    lim_tok = jnp.where(tok_valid, jnp.maximum(lim_tok, 0), -1)  # [NT, bq]
-    head_ok = jnp.arange(gp) < g
-    lim = jnp.where(head_ok[None, None, :], lim_tok[:, :, None], -1).reshape(nt, rows)
-
-    pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-    pt = jnp.pad(pt, ((0, 0), (0, num_parts * ppp - pmax)))[tseq]  # [NT, J*ppp]
 
     interpret = _platform.interpret_default()
     compiler_params = merge_params = None
@@ -200,10 +242,18 @@ def _paged_attention_pallas(
             name=f"paged_attention_merge_{tag}",
         )(lim, acc, m, lsum)
 
-    # Each token's row of its own tile; padding tokens read zeros.
-    out = out.reshape(nt, kh, block_q, gp, e)[tok_tile, :, tok_row][:, :, :g]  # [T, K, G, E]
+    # Each token's row of its own tile; padding tokens (and rows t..out_rows) read zeros.
+    tok_ok, tok_tile, tok_row = meta["tok_ok"], meta["tok_tile"], meta["tok_row"]
+    rows_out = out_rows or t
+    if rows_out < t:
+        raise ValueError(f"out_rows ({rows_out}) < the number of query tokens ({t})")
+    if rows_out > t:  # the next matmul's zero row padding, fused into this gather
+        extra = rows_out - t
+        tok_ok = jnp.pad(tok_ok, (0, extra))
+        tok_tile, tok_row = jnp.pad(tok_tile, (0, extra)), jnp.pad(tok_row, (0, extra))
+    out = out.reshape(nt, kh, block_q, gp, e)[tok_tile, :, tok_row][:, :, :g]  # [T', K, G, E]
     out = jnp.where(tok_ok[:, None, None, None], out, jnp.zeros((), q.dtype))
-    return out.reshape(t, h, e)
+    return out.reshape(rows_out, h, e)
 
 
 class _PagePool:

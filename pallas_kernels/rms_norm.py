@@ -37,8 +37,16 @@ def block_d_for(d: int) -> int:
     return min(1 << max(0, (d - 1).bit_length()), 1024)
 
 
-def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float, block_d: int):
+def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
+    """One row. With `stacked`, w_ref is the flat [L*D] stack of every layer's weight and the
+    first operand holds the layer: reading the layer's slice here saves the scan a copy (a
+    launch) per norm per layer."""
+    if stacked:
+        layer_ref, x_ref, w_ref, o_ref = refs
+    else:
+        x_ref, w_ref, o_ref = refs
     d = x_ref.shape[0]
+    w_off = layer_ref[0] * d if stacked else 0
     steps = pl.cdiv(d, block_d)
     ragged = d % block_d != 0
 
@@ -57,7 +65,7 @@ def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float, block_d: int):
     def out_body(i, carry):
         idx, mask = lanes(i)
         x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
-        w = _load(w_ref.at[idx], mask, 0.0).astype(o_ref.dtype)
+        w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
         normed = (x * inv).astype(o_ref.dtype)
         # The product of two 16-bit floats is exact in f32, so rounding it once to x.dtype is
         # bitwise a native x.dtype multiply (HF's `weight * hidden.to(dtype)`), on every backend.
@@ -69,40 +77,60 @@ def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float, block_d: int):
 
 
 def rms_norm(
-    x: jax.Array, w: jax.Array, eps: float = 1e-6, *, backend: str | None = None
+    x: jax.Array,
+    w: jax.Array,
+    eps: float = 1e-6,
+    *,
+    layer: jax.Array | None = None,
+    backend: str | None = None,
 ) -> jax.Array:
     """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant.
 
+    With `layer` (an int32 scalar), w is the stack [L, D] of every layer's weight and layer
+    `layer`'s row is used: the kernel reads it in place (same bits as passing `w[layer]`).
     `backend`: 'auto' (this kernel; `xla_fixed.rms_norm` on a CPU unless JDET_PALLAS_INTERPRET=1),
     'pallas' or 'xla'."""
-    if x.ndim != 2 or w.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm expects x[T, D] and w[D]; got {x.shape} and {w.shape}")
+    stacked = layer is not None
+    w_row = w.shape[1:] if stacked else w.shape
+    if x.ndim != 2 or w_row != (x.shape[1],) or (stacked and w.ndim != 2):
+        want = "w[L, D] with `layer`" if stacked else "w[D]"
+        raise ValueError(f"rms_norm expects x[T, D] and {want}; got {x.shape} and {w.shape}")
     if _platform.resolve(backend, "rms_norm") == "xla":
         from pallas_kernels import xla_fixed
 
-        return xla_fixed.rms_norm(x, w, float(eps))
+        return xla_fixed.rms_norm(x, w[layer] if stacked else w, float(eps))
+    if stacked:
+        return _rms_norm_pallas(x, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
     return _rms_norm_pallas(x, w, float(eps))
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
-def _rms_norm_pallas(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def _rms_norm_pallas(
+    x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None
+) -> jax.Array:
     t, d = x.shape
     block_d = block_d_for(d)
     interpret = _platform.interpret_default()
     params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    stacked = layer is not None
+    operands = [x, w]
+    in_specs = [
+        pl.BlockSpec((None, d), lambda i: (i, 0)),
+        pl.BlockSpec(w.shape, lambda i: (0,)),
+    ]
+    if stacked:
+        operands.insert(0, layer.reshape(1))
+        in_specs.insert(0, pl.BlockSpec((1,), lambda i: (0,)))
     return pl.pallas_call(
-        functools.partial(_rms_kernel, eps=float(eps), block_d=block_d),
+        functools.partial(_rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
         grid=(t,),
-        in_specs=[
-            pl.BlockSpec((None, d), lambda i: (i, 0)),
-            pl.BlockSpec((d,), lambda i: (0,)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
         interpret=interpret,
         compiler_params=params,
         name="bi_rms_norm",
-    )(x, w)
+    )(*operands)
 
 
 def rms_norm_reference(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -62,6 +62,7 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
         def row_reduce(p: jax.Array) -> jax.Array:
             return lax.psum(p, TP_AXIS)
 
+    ops_kw.setdefault("pad_rows", num_shards == 1)  # Ops.pad_rows says why
     return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce, **ops_kw)
 
 

@@ -1,0 +1,210 @@
+"""The decode step's launch savings (issue 11) change no bit.
+
+jdet/model.py hoists per-step work out of the layer scan and carries the residual stream padded
+to the matmuls' CTA rows on Hopper:
+- `Ops.attention_meta`: the paged-attention kernel's batch-derived operands, computed once per
+  step instead of once per layer (`meta=`), and the attention's output rows padded for the next
+  matmul (`out_rows=`);
+- the norm kernel reads layer l's weight out of the stacked [L, D] norm weights (`layer=`);
+- `Ops.row_pad`: the rows the residual stream carries (T elsewhere than Hopper).
+Each is checked bitwise against the plain call, on the Pallas kernels in interpret mode (the
+same kernels the GPU compiles) and, for the row padding, through the whole model. Negative
+controls show each comparison detects a one-ulp change.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdet.batch import build_batch
+from jdet.model import forward
+from jdet.ops import Ops
+from jdet.plan import Plan
+from tests.sharding.tiny import PAGE, pages_for, prompts, tiny_cfg, tiny_params
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("JDET_PALLAS_INTERPRET", "1")
+
+
+def _bump(a: np.ndarray) -> np.ndarray:
+    """a with one element moved by one ulp."""
+    b = np.array(a, copy=True)
+    bits = b.reshape(-1).view(np.uint16 if b.dtype.itemsize == 2 else np.uint32)
+    bits[0] += 1  # the next representable value away from zero
+    return b
+
+
+# -- RMSNorm with the stacked weights -------------------------------------------------------------
+@pytest.mark.parametrize("d", [64, 96])  # 96: ragged lanes (block_d 128)
+def test_stacked_norm_weight_equals_the_sliced_row(interpret, d):
+    from pallas_kernels import rms_norm
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, d)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal((4, d)), jnp.bfloat16)
+    for layer in range(4):
+        got = np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(layer)))
+        want = np.asarray(rms_norm(x, w[layer], 1e-6))
+        assert np.array_equal(got, want), layer
+    # control: a one-ulp change of that layer's row shows up
+    w2 = jnp.asarray(_bump(np.asarray(w[2])))
+    assert not np.array_equal(
+        np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(2))), np.asarray(rms_norm(x, w2, 1e-6))
+    )
+
+
+def test_stacked_norm_weight_is_checked():
+    from pallas_kernels import rms_norm
+
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"w\[L, D\]"):
+        rms_norm(x, jnp.zeros((8,), jnp.float32), layer=jnp.int32(0))
+
+
+# -- paged attention with hoisted operands and padded output rows ----------------------------------
+def _attention_inputs(dtype=jnp.bfloat16):
+    rng = np.random.default_rng(1)
+    L, K, P, B, E, H = 3, 2, 12, 4, 32, 8
+    k = jnp.asarray(rng.standard_normal((L, K, P, B, E)), dtype)
+    v = jnp.asarray(rng.standard_normal((L, K, P, B, E)), dtype)
+    # a prefill chunk (5 tokens from position 3) and two decodes, plus 2 padding tokens
+    seqs = [([1] * 5, 3, [4, 1]), ([1], 9, [2, 7, 0]), ([1], 6, [5, 9])]
+    b, _ = build_batch(seqs, B, pad_tokens=9)
+    q = jnp.asarray(rng.standard_normal((9, H, E)), dtype)
+    return q, k, v, b
+
+
+def test_attention_meta_and_out_rows_change_no_bit(interpret):
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.paged_attention_pallas import attention_meta
+
+    q, k, v, b = _attention_inputs()
+    args = (q, k, v, b.page_table, b.context_lens, b.query_start, b.positions)
+    for layer in (0, 2):
+        kw = dict(scale=0.2, partition_size=8, layer=jnp.int32(layer))
+        plain = np.asarray(paged_attention(*args, **kw))
+        meta = attention_meta(b.page_table, b.context_lens, b.query_start, b.positions, t=9,
+                              g=4, num_pages=12, page_size=4, partition_size=8)  # fmt: skip
+        hoisted = np.asarray(paged_attention(*args, **kw, meta=meta, out_rows=64))
+        assert hoisted.shape == (64, 8, 32)
+        assert np.array_equal(hoisted[:9], plain), layer
+        assert not hoisted[9:].any()  # the padding rows the next matmul wants are zeros
+    # control: the comparison sees a change of one query element (a one-ulp change of a bf16
+    # query can round away in the bf16 output)
+    q2 = q.at[0, 0, 0].add(0.5)
+    changed = np.asarray(paged_attention(q2, *args[1:], **kw))
+    assert not np.array_equal(changed, plain)
+
+
+def test_attention_meta_of_another_layout_is_refused(interpret):
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.paged_attention_pallas import attention_meta
+
+    q, k, v, b = _attention_inputs()
+    meta = attention_meta(b.page_table, b.context_lens, b.query_start, b.positions, t=9, g=2,
+                          num_pages=12, page_size=4, partition_size=8)  # fmt: skip
+    with pytest.raises(ValueError, match="attention_meta"):
+        paged_attention(q, k, v, b.page_table, b.context_lens, b.query_start, b.positions,
+                        scale=0.2, partition_size=8, layer=jnp.int32(0), meta=meta)  # fmt: skip
+
+
+# -- the whole model with the residual stream padded --------------------------------------------
+def _model_logits(ops: Ops, cfg, params, dtype=jnp.float32) -> np.ndarray:
+    toks = prompts(cfg, (7, 3), seed=3)
+    pages = pages_for([len(t) for t in toks])
+    b, _ = build_batch([(t, 0, p) for t, p in zip(toks, pages, strict=True)], PAGE,
+                       logits="all", pad_tokens=12)  # fmt: skip
+    kv_shape = (cfg.num_layers, cfg.num_kv_heads, sum(map(len, pages)), PAGE, cfg.head_dim)
+    kv = {"k": jnp.zeros(kv_shape, dtype), "v": jnp.zeros(kv_shape, dtype)}
+    b = jax.tree.map(jnp.asarray, b)
+    _, logits = _jit_forward(ops, cfg)(params, kv, b)
+    return np.asarray(logits)
+
+
+_FORWARDS: dict = {}
+
+
+def _jit_forward(ops: Ops, cfg):
+    """One compiled forward per (ops, cfg): the control reuses the plain one's executable."""
+    key = (ops, cfg)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = jax.jit(lambda p, kv, b: forward(p, cfg, kv, b, ops))
+    return _FORWARDS[key]
+
+
+class _PaddedOps(Ops):
+    """Ops whose residual stream is padded as on Hopper (row_pad is T off Hopper)."""
+
+    def row_pad(self, t: int) -> int:
+        return -(-t // 64) * 64
+
+
+def test_padded_residual_stream_changes_no_bit():
+    mode = "tp"  # "batch" runs the same model code with a BIO o/down projection
+    cfg = tiny_cfg()
+    params = tiny_params(cfg)
+    ops = Plan(cfg, mode).ops()
+    plain = _model_logits(ops, cfg, params)
+    padded = _model_logits(_PaddedOps(mode, attn_partition=ops.attn_partition), cfg, params)
+    assert np.array_equal(plain, padded)
+    # control: a one-ulp change of one layer's attention-norm weight is seen
+    layers = dict(params["layers"])
+    layers["attn_norm"] = jnp.asarray(_bump(np.asarray(layers["attn_norm"])))
+    bumped = _model_logits(ops, cfg, {**params, "layers": layers})
+    assert not np.array_equal(plain, bumped)
+
+
+# -- compiled on the GPU ---------------------------------------------------------------------
+class _UnfusedOps(Ops):
+    """The step as it was: no hoisted attention operands, no padded residual stream."""
+
+    def attention_meta(self, batch, kv, q_heads):
+        return None
+
+    def row_pad(self, t: int) -> int:
+        return t
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_with_hoisted_operands_change_no_bit():
+    from pallas_kernels import rms_norm
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.paged_attention_pallas import attention_meta
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 4096)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal((3, 4096)), jnp.bfloat16)
+    for layer in range(3):
+        got = np.asarray(rms_norm(x, w, 1e-5, layer=jnp.int32(layer)))
+        assert np.array_equal(got, np.asarray(rms_norm(x, w[layer], 1e-5)))
+    q, k, v, b = _attention_inputs()
+    args = (q, k, v, b.page_table, b.context_lens, b.query_start, b.positions)
+    meta = attention_meta(b.page_table, b.context_lens, b.query_start, b.positions, t=9, g=4,
+                          num_pages=12, page_size=4, partition_size=8)  # fmt: skip
+    for layer in range(3):
+        kw = dict(scale=0.2, partition_size=8, layer=jnp.int32(layer))
+        plain = np.asarray(paged_attention(*args, **kw))
+        hoisted = np.asarray(paged_attention(*args, **kw, meta=meta, out_rows=64))
+        assert np.array_equal(hoisted[:9], plain) and not hoisted[9:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["tp", "batch"])
+def test_gpu_padded_step_equals_the_unfused_step(mode):
+    """bf16 on the GPU (Mosaic matmuls on Hopper): row padding + hoisted operands = the old step."""
+    cfg = tiny_cfg(hidden_size=256, intermediate_size=1024, vocab_size=1024, num_layers=3)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params(cfg))
+    ops = Plan(cfg, mode).ops()
+    new = _model_logits(ops, cfg, params, jnp.bfloat16)
+    old = _model_logits(_UnfusedOps(mode, attn_partition=ops.attn_partition), cfg, params,
+                        jnp.bfloat16)  # fmt: skip
+    assert np.array_equal(new, old)
+    layers = dict(params["layers"])  # control: a one-ulp change of a norm weight is seen
+    layers["mlp_norm"] = jnp.asarray(_bump(np.asarray(layers["mlp_norm"])))
+    bumped = _model_logits(ops, cfg, {**params, "layers": layers}, jnp.bfloat16)
+    assert not np.array_equal(new, bumped)
