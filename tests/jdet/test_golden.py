@@ -68,9 +68,11 @@ def _hash(arrays) -> str:
 
 
 def run(model: jdet.Model, invariance: str, tp: int) -> dict:
-    """The fixed requests on one engine: tokens, log-prob hashes and the fingerprint."""
+    """The fixed requests on one engine: tokens, log-prob hashes and the fingerprint. A budget of
+    8 tokens (recorded with 16; the bits do not depend on it) is one step and one score shape on
+    a CPU, where each shape is a compile of 10-30 s."""
     llm = jdet.LLM(
-        model, tp=tp, invariance=invariance, max_num_batched_tokens=16, num_pages=48,
+        model, tp=tp, invariance=invariance, max_num_batched_tokens=8, num_pages=48,
         max_model_len=128, compile_cache=False,
     )  # fmt: skip
     outs = llm.generate(PROMPTS, _sampling_params(), use_tqdm=False)

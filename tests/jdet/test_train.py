@@ -17,6 +17,11 @@ from jdet.ops import Ops
 from tests.conftest import write_hf_checkpoint
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [44, 1, 250], [8, 8, 120, 3, 77]]
+# One token bucket (8, the CPU's smallest) for every engine here: each step shape is a compile of
+# ~10-30 s on the CI's CPU, and bits do not depend on the budget (tests/jdet/test_invariance.py).
+BUDGET = 8
+# Every test of this module shares the fixtures below (minutes of compiles): one xdist worker.
+pytestmark = pytest.mark.xdist_group("train")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def sampled(model):
     out = {}
     sp = jdet.SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     for mode in ("tp", "batch"):
-        llm = jdet.LLM(model, invariance=mode, max_num_batched_tokens=16)
+        llm = jdet.LLM(model, invariance=mode, max_num_batched_tokens=BUDGET)
         gens = llm.generate(PROMPTS, sp)
         seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, gens, strict=True)]
         out[mode] = (seqs, [o.outputs[0].logprobs for o in gens], llm.score(seqs))
@@ -191,7 +196,7 @@ def test_tensor_parallel_forward(model, sampled, tp_step):
     lp4 = train.logprobs(model.params, tokens, cfg=model.cfg, mask=mask, invariance="tp", tp=4)
     assert np.array_equal(np.asarray(lp4), tp_step[0])
 
-    scores = jdet.LLM(model, tp=2, invariance="batch", max_num_batched_tokens=16).score(seqs)
+    scores = jdet.LLM(model, tp=2, invariance="batch", max_num_batched_tokens=BUDGET).score(seqs)
     lp = np.asarray(train.logprobs(model.params, tokens, cfg=model.cfg, mask=mask,
                                    invariance="batch", tp=2))  # fmt: skip
     for b, s in enumerate(seqs):
