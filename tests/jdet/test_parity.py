@@ -24,8 +24,9 @@ def hf_logprobs(model_dir, seq):
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_score_matches_transformers(hf_checkpoints, arch, invariance):
     model = jdet.load(hf_checkpoints[arch], dtype="float32")
-    # budget 16 forces chunked prefill of the 37-token sequence
-    llm = jdet.LLM(model, invariance=invariance, max_num_batched_tokens=16)
+    # budget 8 forces chunked prefill of the 37-token sequence, in one score shape on a CPU
+    # (its smallest token bucket; each shape is a compile of 10-30 s there)
+    llm = jdet.LLM(model, invariance=invariance, max_num_batched_tokens=8)
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in (37, 5)]
     for seq, lp in zip(seqs, llm.score(seqs), strict=True):
@@ -37,7 +38,7 @@ def test_score_matches_transformers(hf_checkpoints, arch, invariance):
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_greedy_continuation_matches_transformers(hf_checkpoints, arch):
     model = jdet.load(hf_checkpoints[arch], dtype="float32")
-    llm = jdet.LLM(model, invariance="none")
+    llm = jdet.LLM(model, invariance="none", max_num_batched_tokens=8)  # one step shape on a CPU
     prompt = np.random.default_rng(2).integers(0, model.cfg.vocab_size, 9).tolist()
     out = llm.generate(
         [prompt], jdet.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
