@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
@@ -237,7 +238,11 @@ def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
         if name not in MATMUL_WEIGHTS:
             return w
         dtype = _platform.matmul_weight_dtype(w.dtype)
-        w = w if dtype == w.dtype else w.astype(dtype)
+        if dtype == w.dtype and not blocked:
+            return w
+        if not isinstance(w, jax.core.Tracer):  # on the host: no XLA compile per weight
+            w = np.asarray(w)
+        w = w.astype(dtype)
         if not blocked:
             return w
         from pallas_kernels.tree_matmul import tree_plan
@@ -251,4 +256,7 @@ def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
 
     out = {k: conv(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {k: conv(k, v) for k, v in params["layers"].items()}
-    return out
+    # back on the device (a transfer, not a compile), as the params came
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, out
+    )

@@ -57,8 +57,28 @@ NONE_GPU_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 
 
+# On a CPU the step runs on one thread: XLA's intra-op parallelism (its dots and partitioned loops
+# split over a thread pool) costs more than it gives for the small steps a CPU serves, and much
+# more on a shared machine (a CI worker per core): batch-1 "tp" decode of the embedded model at
+# load ~12 on the 2-core machine, 16.0 ms wall / 9.0 ms CPU per step threaded, 7.9 / 7.5 ms on one
+# thread; same bits (the dots' shapes fix their arithmetic; checked on generate + score).
+CPU_XLA_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
+CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
+
+
+def _parse_options(env: str) -> dict:
+    out: dict = {}
+    for item in filter(None, env.split(",")):
+        k, v = item.split("=")
+        out[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), v.strip())
+    return out
+
+
 def xla_options(ops: Ops) -> dict:
-    """XLA compiler options of the step: empty except for the "none" mode on a GPU.
+    """XLA compiler options of the step: on a CPU `CPU_XLA_OPTIONS` in the invariant modes (one
+    thread; `$JDET_CPU_XLA_OPTIONS` "key=value,..." or "" overrides it; "none" keeps XLA's
+    defaults, threaded dots whose rounding may follow the batch, which its negative controls
+    rely on), on a GPU empty except for the "none" mode:
 
     Why: the layers run under a `lax.scan` over stacked weights, so each projection's weight is a
     dynamic slice of the stack. XLA feeds a dynamic slice to a custom call (our Pallas kernels,
@@ -70,20 +90,25 @@ def xla_options(ops: Ops) -> dict:
     XLA's defaults) overrides it, for benchmarks."""
     from pallas_kernels import _platform
 
+    if _platform.platform() == "cpu":
+        if not ops.invariant:  # "none" stays XLA's default (threaded): the baseline as it is
+            return {}
+        env = os.environ.get(CPU_OPTIONS_ENV)
+        return dict(CPU_XLA_OPTIONS) if env is None else _parse_options(env)
     if ops.invariant or _platform.platform() != "gpu":
         return {}
     env = os.environ.get(OPTIONS_ENV)
-    if env is None:
-        return dict(NONE_GPU_XLA_OPTIONS)
-    out: dict = {}
-    for item in filter(None, env.split(",")):
-        k, v = item.split("=")
-        out[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), v.strip())
-    return out
+    return dict(NONE_GPU_XLA_OPTIONS) if env is None else _parse_options(env)
 
 
-def _jit(ops: Ops) -> Callable:
-    opts = xla_options(ops)
+def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
+    """jax.jit with the cache (argument 1) donated and `xla_options(ops)`: every step and score
+    function, unsharded (here) or under shard_map (sharding/tp.py). `nested`: the function is
+    also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
+    so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests)."""
+    from pallas_kernels import _platform
+
+    opts = {} if nested and _platform.platform() == "cpu" else xla_options(ops)
     if opts:
         return functools.partial(jax.jit, donate_argnums=(1,), compiler_options=opts)
     return functools.partial(jax.jit, donate_argnums=(1,))
@@ -93,7 +118,7 @@ def _jit(ops: Ops) -> Callable:
 def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
     """Cached per (cfg, ops): every LLM/engine over the same model shares one compile cache."""
 
-    @_jit(ops)
+    @jit_step(ops)
     def step(
         params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
     ) -> tuple[dict, SampleOut]:
@@ -106,7 +131,7 @@ def make_step_fn(cfg: ModelConfig, ops: Ops) -> Callable:
 def make_score_fn(cfg: ModelConfig, ops: Ops) -> Callable:
     """score(params, kv, batch, targets i32[N]) -> (kv, f32[N]): log p(targets) at logits_rows."""
 
-    @_jit(ops)
+    @jit_step(ops, nested=True)
     def score(
         params: dict, kv: dict, batch: StepBatch, targets: jax.Array
     ) -> tuple[dict, jax.Array]:

@@ -57,6 +57,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels._platform import as_float, kv_compute_dtype
@@ -102,9 +103,7 @@ def _combine_pairwise(parts: list[jax.Array]) -> jax.Array:
     return level[0]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["k", "n"]
-)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["k", "n"])
 @dataclasses.dataclass(frozen=True)
 class BlockedWeight:
     """A matmul weight b[K, N] held in the layout of its fixed-shape dots: blocks
@@ -142,16 +141,18 @@ class BlockedWeight:
         return self.blocks.shape[-4], self.blocks.shape[-2]
 
 
-def block_weight(w: jax.Array, *, num_leaves: int, leaf_k: int) -> BlockedWeight:
+def block_weight(w, *, num_leaves: int, leaf_k: int) -> BlockedWeight:
     """w[..., K, N] cut into the blocks `tree_subtree(leaf_k=leaf_k, num_leaves=num_leaves)`
-    reads (num_leaves=1, leaf_k=K: the BIO matmul's)."""
+    reads (num_leaves=1, leaf_k=K: the BIO matmul's). A numpy `w` is cut by numpy (no XLA
+    compile per weight while an engine starts); a jax array (or tracer) by jnp."""
     *lead, k, n = w.shape
     if num_leaves * leaf_k < k:
         raise ValueError(f"{num_leaves} leaves of {leaf_k} cannot hold K={k}")
+    xp = np if isinstance(w, np.ndarray) else jnp
     nb = -(-n // BN)
-    w = _pad_axis(_pad_axis(w, -2, num_leaves * leaf_k), -1, nb * BN)
-    w = w.reshape(*lead, num_leaves, leaf_k, nb, BN)
-    return BlockedWeight(jnp.swapaxes(w, -3, -2), k, n)
+    widths = [(0, 0)] * len(lead) + [(0, num_leaves * leaf_k - k), (0, nb * BN - n)]
+    w = xp.pad(w, widths).reshape(*lead, num_leaves, leaf_k, nb, BN)
+    return BlockedWeight(xp.swapaxes(w, -3, -2), k, n)
 
 
 def _blocks(b: jax.Array | BlockedWeight, dtype, leaf_k: int, num_leaves: int):

@@ -37,7 +37,7 @@ from jdet.kv_cache import init_kv_cache
 from jdet.ops import Ops
 from jdet.plan import Plan, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
-from jdet.step import score_body, step_body
+from jdet.step import jit_step, score_body, step_body
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
 from sharding.specs import (
     check_heads,
@@ -123,9 +123,10 @@ def make_tp_step(
     `init_tp_kv_cache`. `ops_kw`: Ops fields other than the mode (see make_tp_ops).
     """
     check_heads(cfg, tp_size(mesh))
-    body = step_body(cfg, make_tp_ops(ops_mode, tp_size(mesh), **ops_kw), _gather_vocab)
+    ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
+    body = step_body(cfg, ops, _gather_vocab)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @jit_step(ops)
     def step(
         params: dict, kv: dict, batch: StepBatch, sampling: SamplingInputs
     ) -> tuple[dict, SampleOut]:
@@ -138,9 +139,10 @@ def make_tp_step(
 def make_tp_score(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
     """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`."""
     check_heads(cfg, tp_size(mesh))
-    body = score_body(cfg, make_tp_ops(ops_mode, tp_size(mesh)), _gather_vocab)
+    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    body = score_body(cfg, ops, _gather_vocab)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @jit_step(ops, nested=True)
     def score(
         params: dict, kv: dict, batch: StepBatch, targets: jax.Array
     ) -> tuple[dict, jax.Array]:

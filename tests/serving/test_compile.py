@@ -27,6 +27,7 @@ MODE = "tp"  # the default mode, on the sharded runtime
 # A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
 SETTINGS = dict(
     invariance=MODE,
+    min_tokens_bucket=16,  # pinned (a CPU's default is 8: serving/shapes.py)
     max_num_batched_tokens=32,
     max_num_seqs=4,
     max_model_len=64,
@@ -155,7 +156,7 @@ from jdet import compile_cache, exec_cache
 cache = sys.argv[2] if sys.argv[2] != "off" else False
 llm = jdet.LLM(jdet.load(sys.argv[1], dtype="float32"), invariance="tp", max_num_batched_tokens=16,
                max_num_seqs=4, max_model_len=48, page_size=8, min_pages_bucket=6,
-               compile_cache=cache, warmup=True)
+               min_tokens_bucket=16, compile_cache=cache, warmup=True)
 def bits(seed):
     sp = jdet.SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True)
     outs = llm.generate([[5, 6, 7, 8, 9], [11, 3]], sp)
@@ -229,8 +230,13 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
 def test_shape_set_is_bounded_and_covers_every_step():
     from serving.shapes import ShapeSet
 
-    s = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512)
+    s = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512,
+                       min_tokens_bucket=16)  # fmt: skip
     assert s.tokens == (16, 32, 64, 128, 256, 512) and s.pages == (32, 128, 512)
+    # the default smallest bucket: the CPU kernels' 8-row dot block on a CPU, 16 elsewhere
+    cpu = jax.default_backend() == "cpu"
+    d = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512)
+    assert d.tokens == ((8,) if cpu else ()) + (16, 32, 64, 128, 256, 512)
     assert len(s.all()) == 18
     assert s.fit(1, 1, 1) == (16, 16, 32)
     assert s.fit(300, 256, 129) == (512, 256, 512)
