@@ -43,9 +43,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 
 
-def _head_norm(
-    ops: Ops, x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None
-) -> jax.Array:
+def _head_norm(ops: Ops, x: jax.Array, w: jax.Array, eps: float, layer: jax.Array) -> jax.Array:
     T, n, E = x.shape
     return ops.rms_norm(x.reshape(T * n, E), w, eps, layer).reshape(T, n, E)
 
@@ -60,23 +58,17 @@ def layer_forward(
     sin: jax.Array,
     cfg: ModelConfig,
     ops: Ops,
-    norms: dict | None = None,
+    norms: dict,
     attn_meta: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """One layer on x[T', D]. T' >= T = batch.num_tokens rows (`Ops.row_pad`): rows past T are
     padding that only the matmuls and norms see (attention, RoPE and the KV write take the
-    first T). `norms`: the stacked [L, D] norm weights, indexed by `layer` (else in `lp`)."""
+    first T). `norms`: the stacked [L, D] norm weights (`NORMS`), indexed by `layer`."""
     T = batch.token_ids.shape[0]
     rows = x.shape[0]
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
-
-    def norm(h: jax.Array, name: str) -> jax.Array:
-        if norms is not None:
-            return ops.rms_norm(h, norms[name], eps, layer)
-        return ops.rms_norm(h, lp[name], eps)
-
-    h = norm(x, "attn_norm")
+    h = ops.rms_norm(x, norms["attn_norm"], eps, layer)
     if "wqkv" in lp:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
         qkv = ops.matmul(h, lp["wqkv"])[:T]
@@ -92,12 +84,8 @@ def layer_forward(
     k = k.reshape(T, -1, E)
     v = v.reshape(T, -1, E)
     if cfg.qk_norm:
-        if norms is not None:
-            q = _head_norm(ops, q, norms["q_norm"], eps, layer)
-            k = _head_norm(ops, k, norms["k_norm"], eps, layer)
-        else:
-            q = _head_norm(ops, q, lp["q_norm"], eps, None)
-            k = _head_norm(ops, k, lp["k_norm"], eps, None)
+        q = _head_norm(ops, q, norms["q_norm"], eps, layer)
+        k = _head_norm(ops, k, norms["k_norm"], eps, layer)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     kv = {
@@ -109,7 +97,7 @@ def layer_forward(
     if cfg.o_bias:
         o = o + lp["bo"]
     x = x + o
-    h = norm(x, "mlp_norm")
+    h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
     if "w_gate_up" in lp:  # fused gate|up, as wqkv
         gate_up = ops.matmul(h, lp["w_gate_up"])
         gate, up = jnp.split(gate_up, 2, axis=-1)

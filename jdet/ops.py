@@ -185,7 +185,7 @@ class Ops:
         """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V.
         `meta`: `attention_meta` of this step; returns [out_rows or T, H, E], zeros past T."""
         ps = self._attn_partition(q.shape[0], batch, kv)
-        if ps is not None:
+        if ps is not None or self.invariant:  # invariant off a GPU: the kernel's XLA version
             from pallas_kernels import paged_attention
 
             return paged_attention(
@@ -197,25 +197,9 @@ class Ops:
                 batch.query_start,
                 batch.positions,
                 scale=scale,
-                partition_size=ps,
+                partition_size=ps or self.attn_partition,
                 layer=layer,
                 meta=meta,
-                out_rows=out_rows,
-            )
-        if self.invariant:
-            from pallas_kernels import paged_attention
-
-            return paged_attention(
-                q,
-                kv["k"],
-                kv["v"],
-                batch.page_table,
-                batch.context_lens,
-                batch.query_start,
-                batch.positions,
-                scale=scale,
-                partition_size=self.attn_partition,
-                layer=layer,
                 out_rows=out_rows,
             )
         from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
