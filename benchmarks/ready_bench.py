@@ -47,36 +47,6 @@ def engine_settings(a: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------- 1. one start (child)
-def device_random_model(shape: str, dtype: str, max_len: int) -> Any:
-    """serve_bench.random_model with the weights drawn on the device (jax.random), not numpy."""
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.serve_bench import random_model
-    from jdet import params as P
-
-    def init(cfg: Any, seed: int = 0, dtype: Any = jnp.bfloat16, scale: float = 0.02) -> dict:
-        key = jax.random.key(seed)
-        made = []
-
-        def make(spec: Any) -> Any:
-            shp = P.full_shape(cfg, spec)
-            if spec.init in ("ones", "zeros"):
-                return (jnp.ones if spec.init == "ones" else jnp.zeros)(shp, dtype)
-            made.append(spec)
-            k = jax.random.fold_in(key, len(made))
-            return (jax.random.normal(k, shp, jnp.float32) * scale).astype(dtype)
-
-        return P.map_specs(cfg, make)
-
-    real = P.init_params
-    P.init_params = init  # only while the weights are made: the engine sees the real module
-    try:
-        return random_model(shape, dtype, max_len=max_len)
-    finally:
-        P.init_params = real
-
-
 def start(a: argparse.Namespace) -> dict:
     """One start from scratch in this process; the padding rows when asked for."""
     from jdet import compile_cache as cc
@@ -90,8 +60,8 @@ def start(a: argparse.Namespace) -> dict:
     from serving.engine import Engine
 
     t_imp = time.perf_counter() - _T0
-    make = random_model if a.host_weights else device_random_model
-    model = make(a.shape, a.dtype, max_len=max(a.max_model_len, 4096))
+    model = random_model(a.shape, a.dtype, max_len=max(a.max_model_len, 4096),
+                         on_device=not a.host_weights)  # fmt: skip
     jax.block_until_ready(model.params)
     t_model = time.perf_counter() - _T0
     eng = Engine(model, **engine_settings(a), compile_cache=a.cache_dir)
