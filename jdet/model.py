@@ -69,7 +69,7 @@ def layer_forward(
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
     h = ops.rms_norm(x, norms["attn_norm"], eps, layer)
-    if "wqkv" in lp:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
+    if ops.fused:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
         qkv = ops.matmul(h, lp["wqkv"])[:T]
         nq = qkv.shape[-1] - 2 * nk
@@ -98,7 +98,7 @@ def layer_forward(
         o = o + lp["bo"]
     x = x + o
     h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
-    if "w_gate_up" in lp:  # fused gate|up, as wqkv
+    if ops.fused:  # fused gate|up, as wqkv
         gate_up = ops.matmul(h, lp["w_gate_up"])
         gate, up = jnp.split(gate_up, 2, axis=-1)
     else:
@@ -113,8 +113,9 @@ def embed(params: dict, token_ids: jax.Array) -> jax.Array:
     return jnp.take(params["embed"], token_ids, axis=0)
 
 
-def lm_head_weight(params: dict) -> jax.Array:
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
+def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
+    """The tied embedding's transpose, unless the weights hold an `lm_head` (`Ops.untied`)."""
+    return params["embed"].T if cfg.tie_word_embeddings and not ops.untied else params["lm_head"]
 
 
 def hidden_states(
@@ -132,9 +133,9 @@ def hidden_states(
         x = jnp.pad(x, ((0, rows - T), (0, 0)))
     cos, sin = rope_tables(cfg, batch.positions)
     layers = dict(params["layers"])
-    norms = {n: layers.pop(n) for n in NORMS if n in layers}
+    norms = {n: layers.pop(n) for n in (NORMS if cfg.qk_norm else NORMS[:2])}
     L = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    meta = ops.attention_meta(batch, kv, _q_heads(layers, kv, cfg))
+    meta = ops.attention_meta(batch, kv, _q_heads(layers, kv, cfg, ops))
 
     def body(carry: tuple, xs: tuple) -> tuple:
         x, kv = carry
@@ -149,9 +150,9 @@ def hidden_states(
     return kv, x[:T]
 
 
-def _q_heads(layers: dict, kv: dict, cfg: ModelConfig) -> int:
+def _q_heads(layers: dict, kv: dict, cfg: ModelConfig, ops: Ops) -> int:
     """Query heads of this (possibly tensor-parallel) shard, read off the weight shapes."""
-    if "wqkv" in layers:
+    if ops.fused:
         nk = kv["k"].shape[1] * cfg.head_dim  # kv is [L, K, P, B, E]
         return (layers["wqkv"].shape[-1] - 2 * nk) // cfg.head_dim
     return layers["wq"].shape[-1] // cfg.head_dim
@@ -159,7 +160,7 @@ def _q_heads(layers: dict, kv: dict, cfg: ModelConfig) -> int:
 
 def logits_from_hidden(params: dict, cfg: ModelConfig, x: jax.Array, ops: Ops) -> jax.Array:
     h = ops.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return ops.matmul(h, lm_head_weight(params), out_dtype=jnp.float32)
+    return ops.matmul(h, lm_head_weight(params, cfg, ops), out_dtype=jnp.float32)
 
 
 def forward(

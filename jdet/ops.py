@@ -84,6 +84,12 @@ class Ops:
     # Carry the residual stream padded to the matmuls' CTA rows (`row_pad`). Off under TP > 1
     # (sharding/tp.py): the row-parallel partials would then all-reduce the padding rows too.
     pad_rows: bool = True
+    # The weight layout the model reads, stated rather than probed from the params' keys: the
+    # plan's prepared weights (jdet/plan.py `prepare_params`, the sharded runtime's) hold an
+    # untied, vocab-padded `lm_head` (`untied`), and q|k|v, gate|up fused into `wqkv`,
+    # `w_gate_up` where `fuse_default()` (`fused`). Both False: the checkpoint's own layout.
+    fused: bool = False
+    untied: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)

@@ -152,7 +152,7 @@ def pad_params(
         layers["w_up"] = jnp.pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
         layers["w_down"] = jnp.pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
     out["layers"] = layers
-    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
+    lm = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     V = lm.shape[-1]
     V_pad = _round_up(V, vocab_multiple)
     out["lm_head"] = jnp.pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm

@@ -64,13 +64,12 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
     if r == 1:
         return params
     layers = dict(params["layers"])
-    for name in ("wk", "wv", "bk", "bv"):
-        if name in layers:
-            w = layers[name]
-            lead = w.shape[:-1]
-            w = w.reshape(*lead, K, 1, E)
-            w = jnp.broadcast_to(w, (*lead, K, r, E)).reshape(*lead, K * r * E)
-            layers[name] = w
+    for name in ("wk", "wv") + (("bk", "bv") if cfg.qkv_bias else ()):
+        w = layers[name]
+        lead = w.shape[:-1]
+        w = w.reshape(*lead, K, 1, E)
+        w = jnp.broadcast_to(w, (*lead, K, r, E)).reshape(*lead, K * r * E)
+        layers[name] = w
     return {**params, "layers": layers}
 
 

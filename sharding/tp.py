@@ -35,7 +35,7 @@ from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache
 from jdet.ops import Ops
-from jdet.plan import Plan, prepare_params, row_partial_kernel
+from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import jit_step, score_body, step_body
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
@@ -53,7 +53,8 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
     """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS): the plan's
     row-parallel partial (jdet/plan.py `row_partial_kernel`) and the cross-device combine, the
     tree all-reduce in "tp" and psum otherwise. `ops_kw` sets the other Ops fields
-    (attn_partition) for benchmarks."""
+    (attn_partition) for benchmarks; the layout fields default to that of `shard_params`'
+    weights (lm_head untied; q|k|v and gate|up fused where `fuse_default()`)."""
     row_partial = row_partial_kernel(ops_mode, num_shards)  # validates the mode
     if ops_mode == "tp":
         row_reduce = functools.partial(tree_allreduce, axis_name=TP_AXIS)
@@ -63,6 +64,8 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
             return lax.psum(p, TP_AXIS)
 
     ops_kw.setdefault("pad_rows", num_shards == 1)  # Ops.pad_rows says why
+    ops_kw.setdefault("fused", fuse_default())  # as prepare_params(fuse=None) lays them out
+    ops_kw.setdefault("untied", True)  # pad_params always holds a padded lm_head
     return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce, **ops_kw)
 
 
@@ -136,10 +139,13 @@ def make_tp_step(
 
 
 @functools.cache  # one compile cache per (config, mode, mesh): engines share it
-def make_tp_score(cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh) -> Callable:
-    """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`."""
+def make_tp_score(
+    cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh, **ops_kw: Any
+) -> Callable:
+    """score(params, kv, batch, targets) -> (kv, f32[N]) as jdet.step.make_score_fn, on `mesh`.
+    `ops_kw`: as make_tp_step."""
     check_heads(cfg, tp_size(mesh))
-    ops = make_tp_ops(ops_mode, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
     body = score_body(cfg, ops, _gather_vocab)
 
     @jit_step(ops, nested=True)

@@ -42,7 +42,7 @@ def _score(cfg, params, prompt_lens, *, fuse: bool, fuse_tp: int = 1) -> np.ndar
     b = tiny.batch([(t, 0, pg) for t, pg in zip(toks, pages, strict=True)], 16, logits="all")
     targets = np.concatenate([np.roll(t, -1) for t in toks]).astype(np.int32)
     kv = init_tp_kv_cache(cfg, mesh, sum(map(len, pages)), 16, jnp.bfloat16)
-    _, lp = make_tp_score(cfg, "tp", mesh)(p, kv, b, targets)
+    _, lp = make_tp_score(cfg, "tp", mesh, fused=fuse)(p, kv, b, targets)  # the layout of p
     out = np.full(targets.shape, np.nan, np.float32)  # poison
     out[...] = np.asarray(lp)
     return out
