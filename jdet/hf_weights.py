@@ -1,114 +1,54 @@
 """Reading a Hugging Face checkpoint's weights: safetensors files (single or index-sharded) into
 jdet's params tree (jdet/params.py `weight_specs`: per-layer tensors stacked in the scan layout).
 
-Why a hand-rolled safetensors reader: the format is a JSON header plus raw little-endian bytes, so
-`np.memmap` gives zero-copy views of every tensor (bf16 through ml_dtypes), the per-layer tensors
+The files are read by the `safetensors` library (`safe_open(framework="numpy")`: it validates the
+header, memory-maps the file and copies out one tensor at a time; bfloat16 arrives as ml_dtypes'
+bfloat16, which numpy knows once ml_dtypes is imported, safetensors >= 0.5). The per-layer tensors
 are stacked on the host into the scan layout, and each stacked weight goes to the device once.
-Every inconsistency (missing, unexpected, wrong shape, truncated file, corrupt header, a bad shard
-index) is a ValueError or FileNotFoundError naming the file, the tensor and what was expected.
-(The `safetensors` library's numpy reader has no bfloat16, which most checkpoints use.)
+Every inconsistency (missing, unexpected, wrong shape or dtype, a file the library refuses: a
+truncated file, a corrupt header, a bad shard index) is a ValueError or FileNotFoundError naming
+the file, the tensor where there is one, and what was expected.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' numpy reader)
 import numpy as np
 
 from jdet.config import ModelConfig, read_json
 from jdet.params import full_shape, set_path, weight_specs
 
-_ST_DTYPES = {
-    "BF16": ml_dtypes.bfloat16,
-    "F16": np.float16,
-    "F32": np.float32,
-    "F64": np.float64,
-}
-_MAX_HEADER = 100 << 20  # the format's own limit on the JSON header (100 MB)
+_ST_DTYPES = ("BF16", "F16", "F32", "F64")  # the float dtypes a checkpoint's weights may have
 
 
 class _SafetensorsFile:
-    """One .safetensors file: its header checked entry by entry, tensors as memmap views."""
+    """One .safetensors file opened by the library; its errors name the file and say what to do."""
 
     def __init__(self, path: Path):
-        self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(
-                    f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte "
-                    "header length); re-download or re-save it"
-                )
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > _MAX_HEADER:
-                raise ValueError(
-                    f"{path}: corrupt or truncated safetensors file: the header claims {n} bytes "
-                    f"but the file has {size}"
-                )
-            raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(
-                f"{path}: corrupt safetensors header (not valid JSON: {e}); re-download or "
-                "re-save the file"
-            ) from None
-        if not isinstance(header, dict):
-            raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
-        header.pop("__metadata__", None)
-        for name, info in header.items():
-            self._check_entry(name, info, size - 8 - n)
-        self.header = header
-        self.data_start = 8 + n
-        self.size = size
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + n else None
+        from safetensors import SafetensorError, safe_open
 
-    def _check_entry(self, name: str, info: Any, data_bytes: int) -> None:
-        bad = f"{self.path}: tensor {name!r} has a corrupt header entry"
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-            raise ValueError(f"{bad} (expected dtype, shape and data_offsets), got {info!r:.200}")
-        shape, offs = info["shape"], info["data_offsets"]
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise ValueError(f"{bad}: shape must be a list of non-negative ints, got {shape!r}")
-        if (
-            not isinstance(offs, list)
-            or len(offs) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            or not 0 <= offs[0] <= offs[1]
-        ):
-            raise ValueError(f"{bad}: data_offsets must be [begin, end], got {offs!r}")
-        if offs[1] > data_bytes:
+        self.path = path
+        self.size = path.stat().st_size
+        try:
+            self._f = safe_open(str(path), framework="numpy")
+            self.names = set(self._f.keys())
+        except SafetensorError as e:
             raise ValueError(
-                f"{self.path}: tensor {name} ends at byte {8 + offs[1]} of the data but the file "
-                f"has {data_bytes} data bytes (truncated file?)"
-            )
+                f"{path}: not a valid safetensors file ({e}); re-download or re-save it"
+            ) from None
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        if info["dtype"] not in _ST_DTYPES:
+        dtype = self._f.get_slice(name).get_dtype()
+        if dtype not in _ST_DTYPES:
             raise ValueError(
-                f"{self.path}: tensor {name} has dtype {info['dtype']!r}, which jdet cannot load; "
+                f"{self.path}: tensor {name} has dtype {dtype!r}, which jdet cannot load; "
                 f"expected one of {sorted(_ST_DTYPES)}"
             )
-        dt = np.dtype(_ST_DTYPES[info["dtype"]])
-        b, e = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if e - b != dt.itemsize * int(np.prod(shape)):
-            raise ValueError(
-                f"{self.path}: tensor {name} has {e - b} bytes but shape {shape} of "
-                f"{info['dtype']} needs {dt.itemsize * int(np.prod(shape))}"
-            )
-        if e == b:
-            return np.zeros(shape, dt)
-        return self.mm[self.data_start + b : self.data_start + e].view(dt).reshape(shape)
+        return self._f.get_tensor(name)
 
 
 def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
@@ -134,7 +74,7 @@ def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
                 if not fp.exists():
                     raise FileNotFoundError(f"{index} names shard {fname}, which is missing")
                 opened[fname] = _SafetensorsFile(fp)
-            if name not in opened[fname].header:
+            if name not in opened[fname].names:
                 raise ValueError(f"{index} places tensor {name} in {fname}, which lacks it")
             files[name] = opened[fname]
         return files
@@ -143,7 +83,7 @@ def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
         raise FileNotFoundError(f"no *.safetensors files in {d}")
     for p in paths:
         f = _SafetensorsFile(p)
-        for name in f.header:
+        for name in f.names:
             files[name] = f
     return files
 
