@@ -88,8 +88,9 @@ class Plan:
 
 def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
     """The f32 partial of a row-parallel projection (o_proj, down_proj) over one device's
-    contiguous K shard: the exact subtree of the tree matmul in "tp" (its upper levels are the
-    tree all-reduce), a BIO matmul in "batch", an XLA dot in "none" (both combined by psum)."""
+    contiguous shard of the input width I: the exact subtree of the tree matmul in "tp" (its
+    upper levels are the tree all-reduce), a BIO matmul in "batch", an XLA dot in "none" (both
+    combined by psum)."""
     check_mode(invariance)
     n = num_shards
     if invariance == "tp":
@@ -116,7 +117,8 @@ def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
 
 # -- the weight layout ----------------------------------------------------------------------------
 def tree_block_k(k_total: int, dtype: Any) -> int:
-    """The tree kernel's K tile for down_proj (a function of K and dtype, never of TP)."""
+    """The tree kernel's tile of down_proj's input width I = F (a function of I and dtype, never
+    of TP)."""
     from pallas_kernels.tree_matmul import tree_plan
 
     return tree_plan(k_total, jnp.dtype(dtype)).block_k
@@ -137,9 +139,9 @@ def pad_params(
 
     Why once, for every TP size: zero FFN columns are exact (silu(0) * 0 = 0 feeds zero rows of
     w_down) and zero lm_head columns give logits that the TP step slices away, but padding changes
-    the K tile count of down_proj, and with it the shape of the tree that reduces K; so F is padded
-    to a multiple of `block_k * MAX_TP` for all TP sizes, TP=1 included: every TP size then reduces
-    the same padded K in the same tree, and shard r of n is a whole subtree.
+    the tile count of down_proj's input width F, and with it the shape of the tree that reduces
+    it; so F is padded to a multiple of `block_k * MAX_TP` for all TP sizes, TP=1 included: every
+    TP size then reduces the same padded F in the same tree, and shard r of n is a whole subtree.
     Idempotent, and independent of the TP size. Returns a new dict; `params` is not modified.
     """
     out = dict(params)
@@ -165,10 +167,10 @@ def fuse_projections(params: dict, tp: int) -> dict:
     instead of five, and the narrow k/v projections (N = K*E, 8 CTAs at batch 1) ride on q's.
 
     Why the bits do not change: in the Hopper BIO kernel an output element's arithmetic is the
-    same 64-wide K steps into one f32 accumulator whatever N is and whichever CTA holds the
-    column (pallas_kernels/matmul_mosaic.py), so column j of the fused product is bitwise
-    column j of its part; tests/sharding/test_fused_gpu.py checks it. Only used where that holds
-    (`fuse_default`): the portable kernel's N tile may follow N.
+    same 64-wide steps over the input width into one f32 accumulator whatever N is and whichever
+    CTA holds the column (pallas_kernels/matmul_mosaic.py), so column j of the fused product is
+    bitwise column j of its part; tests/sharding/test_fused_gpu.py checks it. Only used where that
+    holds (`fuse_default`): the portable kernel's N tile may follow N.
     """
     layers = dict(params["layers"])
 

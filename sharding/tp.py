@@ -3,15 +3,15 @@ under `shard_map` over the 'tp' axis, with the plan's TP Ops. This module holds 
 specs and the cross-device combines; the kernels are the plan's (jdet/plan.py).
 
 Per device: column-parallel projections produce its heads / FFN columns / vocab columns with the
-ordinary (BIO) matmul; each output column is reduced whole over K, so its bits do not depend on
-TP as long as the kernel's tile along N does not change with the shard width (true when every
-shard is >= 128 columns, as with head_dim 128 models; narrower shards get a narrower block_n,
-which on CPU changes the bits of the tile's dot).
+ordinary (BIO) matmul; each output column is reduced whole over its input width I, so its bits
+do not depend on TP as long as the kernel's tile along N does not change with the shard width
+(true when every shard is >= 128 columns, as with head_dim 128 models; narrower shards get a
+narrower block_n, which on CPU changes the bits of the tile's dot).
 The two row-parallel projections (o_proj, down_proj) each produce an f32 partial over the device's
-contiguous K shard, combined across devices before the cast:
+contiguous shard of the input width I, combined across devices before the cast:
   "tp"    partial = `tree_matmul_partial` (the exact subtree of shard r) and combine =
           `tree_allreduce` (the upper levels of the same tree): bitwise the TP=1 tree_matmul.
-  "batch" partial = BIO matmul (sequential K) and combine = `lax.psum`: faster, not TP-invariant.
+  "batch" partial = BIO matmul (sequential over I), combine = `lax.psum`: faster, not TP-invariant.
   "none"  partial = XLA dot and combine = `lax.psum`: the baseline.
 Logits: each device computes its vocab columns; `all_gather` over vocab is a copy (exact), the
 padded columns are sliced off, and then every device runs the same sampling / log_softmax on the

@@ -6,10 +6,11 @@ is the same expression on every device,
     ((x_0 + x_1) + (x_2 + x_3)) + ((x_4 + x_5) + (x_6 + x_7))        (n = 8)
 
 i.e. a full binary tree over contiguous rank blocks, the left operand always the lower ranks' block.
-This is exactly how `tree_matmul` combines its K tiles, so when rank r holds the exact subtree of K
-shard r (`tree_matmul_partial`), the all-reduced value is bitwise the TP=1 `tree_matmul` result,
-whatever n is (TBIK paper, Theorem 1 and Algorithm 2). XLA's `psum` (NCCL ring/tree, or a serial
-sum on CPU) promises no order, which is why "batch" mode may differ between TP sizes.
+This is exactly how `tree_matmul` combines its tiles of the input width I, so when rank r holds the
+exact subtree of I shard r (`tree_matmul_partial`), the all-reduced value is bitwise the TP=1
+`tree_matmul` result, whatever n is (TBIK paper, Theorem 1 and Algorithm 2). XLA's `psum` (NCCL
+ring/tree, or a serial sum on CPU) promises no order, which is why "batch" mode may differ between
+TP sizes.
 
 Four schedules compute that one expression; they differ only in traffic, never in bits:
 
