@@ -13,6 +13,18 @@ page pool, two device calls (sampling and scoring compile to two functions of th
 Since no row's bits depend on the batch (DESIGN §1), a score is bitwise the sampler's log-probs
 of the same tokens however it is chunked, batched or preempted.
 
+Why a mixed step (`Engine.num_mixed_steps` counts them) is two device calls, not one executable:
+one would be a third function kind, a forward over both batches merged with the LM head on every
+score row and the sampled rows, returning samples and log-probs. Its bits would be the same in
+the invariant modes, but (1) the engine compiles every shape of every kind before it serves
+(serving/shapes.py); a merged kind is a third shape set, whose logits rows follow the T bucket,
+compiled by every engine that may score or else mid-serving (the stall warm-up exists to avoid);
+(2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend on
+whether a score request shared its step; (3) the step's other consumers (dispatch-ahead, the
+speculative verify, a draft model's `mirror`) take the step function's batch as it is. The cost
+of two calls is a second pass over the weights in a mixed step (a decode-bound step reads them
+twice); no measurement yet says it is worth a third kind.
+
 Prefix cache: a row's log-prob needs that row's logits, so a score request reads cached pages
 only for rows it has already scored (the recompute after a preemption, serving/scheduler.py);
 its computed pages are published like any prompt's, so a later request with that prefix hits.
