@@ -61,7 +61,14 @@ def detokenize(seq: Sequence, tok: Any, finish: Callable[[Sequence], None]) -> N
     then stop strings, matched on the text across token boundaries. One token at a time, so
     a speculative step's several tokens give the text, and the stop, of as many steps: a stop
     string ends the sequence at the token that completes it (`finish(seq)`: the scheduler's);
-    later tokens are dropped. `tok` None (a model without a tokenizer): no text."""
+    later tokens are dropped. `tok` None (a model without a tokenizer): no text.
+
+    Why not `tokenizers.decoders.DecodeStream` (the same prefix/read-offset algorithm in Rust):
+    it has `step` only, so the partial character a sequence may end on (max_tokens reached mid
+    UTF-8 sequence) would be lost where this flushes it (as "\ufffd", like transformers' decode);
+    and it decodes with the Rust backend alone, while a tokenizer that jdet/tokenizer.py leaves to
+    transformers may post-process its decode (clean_up_tokenization_spaces on non-BPE models),
+    which `tok.decode` here keeps."""
     if tok is None:
         return
     skip = {"skip_special_tokens": seq.options.skip_special_tokens}
