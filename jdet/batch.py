@@ -120,10 +120,43 @@ def decode_batch(
     """A decode step: sequence s feeds one token, `tokens[s]` at `positions[s]`, and samples it
     (rows padded to `pad_seqs`). Why a helper: the decode step dispatched ahead
     (serving/model_runner.py `prepare_ahead`, which then puts the device's tokens in) and a
-    model draft's passes (serving/draft_model.py) build exactly this; `build_batch` lays it out."""
-    items = [([t], p, pg) for t, p, pg in zip(tokens, positions, pages, strict=True)]
-    batch, _ = build_batch(
-        items, page_size, pad_tokens=pad_tokens, pad_seqs=pad_seqs, pad_pages=pad_pages,
-        pad_rows=pad_seqs,
-    )  # fmt: skip
-    return batch
+    model draft's passes (serving/draft_model.py) build exactly this, once per decode step.
+
+    The layout is `build_batch`'s (one token and one logits row per sequence; tests/jdet/
+    test_batch.py checks the two equal bitwise), computed with whole-array numpy operations
+    instead of a Python loop over the sequences: only the page-table rows are copied one by one.
+    Why: at batch 8 the general builder's loop was ~0.1-0.3 ms of host work per decode step
+    (benchmarks/host_bench.py), on the critical path once the device step is short."""
+    S = len(positions)
+    if len(tokens) != S or len(pages) != S:
+        raise ValueError(f"decode_batch got {len(tokens)} tokens, {S} positions and "
+                         f"{len(pages)} page lists; it needs one of each per sequence")  # fmt: skip
+    Pm = max([len(p) for p in pages] + [1])
+    if pad_tokens < S or pad_seqs < S or pad_pages < Pm:
+        raise ValueError("padding sizes must not be smaller than the batch")
+    pt = np.zeros((pad_seqs, pad_pages), np.int32)
+    num_pages = np.zeros(S, np.int64)
+    for s, pg in enumerate(pages):
+        pt[s, : len(pg)] = pg
+        num_pages[s] = len(pg)
+    pos = np.asarray(positions, np.int64).reshape(S)
+    bad = np.flatnonzero(pos + 1 > num_pages * page_size)
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"sequence {s} needs {pos[s] + 1} slots but has {num_pages[s]} pages")
+    if S and pos.min() < 0:
+        raise ValueError(f"decode positions must be >= 0, got {pos.min()}")
+    seq = np.arange(S)
+    tok = np.zeros(pad_tokens, np.int32)
+    tok[:S] = tokens
+    p = np.zeros(pad_tokens, np.int32)
+    p[:S] = pos
+    slot = np.full(pad_tokens, -1, np.int32)
+    slot[:S] = pt[seq, pos // page_size] * page_size + pos % page_size
+    qs = np.full(pad_seqs + 1, S, np.int32)
+    qs[: S + 1] = np.arange(S + 1)
+    cl = np.zeros(pad_seqs, np.int32)
+    cl[:S] = pos + 1
+    rows = np.zeros(pad_seqs, np.int32)
+    rows[:S] = seq
+    return StepBatch(tok, p, slot, qs, cl, pt, rows)

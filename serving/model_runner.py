@@ -104,6 +104,8 @@ class ModelRunner:
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
+        self._ahead_key: tuple | None = None  # prepare_ahead's sampling rows of the last plan
+        self._ahead_val: tuple | None = None
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             self.step_fn = self._exec_cached(self.step_fn, "step")
@@ -224,27 +226,45 @@ class ModelRunner:
         Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.block_table) for s, _ in plan))
         if tuple(tokens.shape) != (Tp,):
             return None
-        if any(s.options.needs_logits_inputs for s, _ in plan):
+        rows = self._ahead_rows(plan, Sp)
+        if rows is None:
             return None  # penalties, masks, grammar read the previous token on the host (issue 19)
         self.shapes_seen.add((Tp, Sp, Pp))
         batch = decode_batch([0] * S, [s.num_tokens for s, _ in plan],
                              [s.block_table for s, _ in plan], self.page_size,
                              pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
         batch.token_ids = tokens
-        temp = np.zeros(Sp, np.float32)
-        top_k = np.zeros(Sp, np.int32)
-        top_p = np.ones(Sp, np.float32)
-        seed = np.zeros(Sp, np.uint32)
-        for s, (seq, _) in enumerate(plan):
-            o = seq.options
-            temp[s], top_k[s], top_p[s] = o.temperature, o.top_k, o.top_p
-            seed[s] = seq.seed
+        temp, top_k, top_p, seed = rows
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
             position=batch.context_lens.copy(),
             logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
         )  # fmt: skip
         return batch, sampling
+
+    def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
+        """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
+        sequences, or None if one of them needs LogitsInputs. Kept for the last plan: a steady
+        decode dispatches the same sequences step after step, and a sequence's options and seed
+        never change, so the arrays are built once, not once a step (the step only reads them:
+        never written after they are built)."""
+        key = (Sp, tuple(s.seq_id for s, _ in plan))
+        if self._ahead_key == key:
+            return self._ahead_val
+        val = None
+        if not any(s.options.needs_logits_inputs for s, _ in plan):
+            S, opts = len(plan), [s.options for s, _ in plan]
+            temp = np.zeros(Sp, np.float32)
+            top_k = np.zeros(Sp, np.int32)
+            top_p = np.ones(Sp, np.float32)
+            seed = np.zeros(Sp, np.uint32)
+            temp[:S] = [o.temperature for o in opts]
+            top_k[:S] = [o.top_k for o in opts]
+            top_p[:S] = [o.top_p for o in opts]
+            seed[:S] = [s.seed for s, _ in plan]
+            val = (temp, top_k, top_p, seed)
+        self._ahead_key, self._ahead_val = key, val
+        return val
 
     def warmup_batch(self, shape: tuple[int, int, int], kind: str = "step") -> tuple[Any, Any]:
         """A junk batch of `shape` (T, S, Pmax) that writes no K/V (every slot -1), so warming
@@ -343,5 +363,9 @@ class ModelRunner:
     def fetch(out: Any, num_rows: int, want_top: bool) -> dict[str, np.ndarray]:
         """Block on a dispatched step and bring its first `num_rows` samples to the host."""
         names = ["tokens", "logprobs"] + (["top_ids", "top_logprobs"] if want_top else [])
-        got = jax.device_get([getattr(out, k) for k in names])
-        return {k: np.asarray(v)[:num_rows] for k, v in zip(names, got, strict=True)}
+        arrays = [getattr(out, k) for k in names]
+        # What jax.device_get does (start every copy, then wait for each), without its per-leaf
+        # tree and dtype dispatch: ~0.1 ms of the host's decode step on a CPU (host_bench).
+        for a in arrays:
+            a.copy_to_host_async()
+        return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}
