@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from serving.block_manager import cdiv
+from serving.page_manager import cdiv
 from serving.sequence import Sequence
 from serving.shapes import ShapeSet
 
@@ -148,9 +148,9 @@ class ModelRunner:
 
         T = sum(n for _, n in plan)
         R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
-        Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.block_table) for s, _ in plan))
+        Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
-        items = [(step_tokens(s, n), s.num_computed_tokens, s.block_table) for s, n in plan]
+        items = [(step_tokens(s, n), s.num_computed_tokens, s.page_table) for s, n in plan]
         batch, _ = build_batch(items, self.page_size, logits=R, pad_tokens=Tp, pad_seqs=Sp,
                                pad_pages=Pp, pad_rows=Sp)  # fmt: skip
         temp = np.zeros(Sp, np.float32)
@@ -182,11 +182,11 @@ class ModelRunner:
         from jdet.batch import build_batch
 
         T = sum(n for _, n in plan)
-        Tp, Sp, Pp = self.shapes.fit(T, len(plan), max(len(s.block_table) for s, _ in plan))
+        Tp, Sp, Pp = self.shapes.fit(T, len(plan), max(len(s.page_table) for s, _ in plan))
         items, targets, t0 = [], np.zeros(Tp, np.int32), 0
         for seq, n in plan:
             start = seq.num_computed_tokens
-            items.append((seq.token_ids[start : start + n], start, seq.block_table))
+            items.append((seq.token_ids[start : start + n], start, seq.page_table))
             targets[t0 : t0 + n] = seq.targets[start : start + n]
             t0 += n
         batch, _ = build_batch(items, self.page_size, logits="all", pad_tokens=Tp, pad_seqs=Sp,
@@ -223,7 +223,7 @@ class ModelRunner:
         from jdet.step import SamplingInputs
 
         S = len(plan)
-        Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.block_table) for s, _ in plan))
+        Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.page_table) for s, _ in plan))
         if tuple(tokens.shape) != (Tp,):
             return None
         rows = self._ahead_rows(plan, Sp)
@@ -231,7 +231,7 @@ class ModelRunner:
             return None  # penalties, masks, grammar read the previous token on the host (issue 19)
         self.shapes_seen.add((Tp, Sp, Pp))
         batch = decode_batch([0] * S, [s.num_tokens for s, _ in plan],
-                             [s.block_table for s, _ in plan], self.page_size,
+                             [s.page_table for s, _ in plan], self.page_size,
                              pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
         batch.token_ids = tokens
         temp, top_k, top_p, seed = rows

@@ -22,7 +22,7 @@ tokens and are counted as computed (`num_computed_tokens` advances by a + 1). Sl
 hold junk that no attention reads (a sequence's attention stops at its context length) and that
 the next steps overwrite before they read it (K/V are written before attention). The pages stay
 the sequence's own: they were never full of computed K/V, so never published to the prefix cache,
-and they are released with the sequence like any other (the block manager's accounting returns
+and they are released with the sequence like any other (the page manager's accounting returns
 to zero). A preempted sequence recomputes from its tokens, which are all target samples.
 
 Finishing inside an accepted run: tokens are emitted one at a time with the engine's own checks

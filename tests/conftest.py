@@ -122,27 +122,27 @@ def tiny_model_dir(hf_checkpoints):
 
 
 def _batch_dependent_attention(self, q, kv, layer, batch, scale):
-    """Attention whose rounding follows the batch: where the step's real token count n has
-    n % 5 odd, q is multiplied by 3 * scale before the q.k dot and the scores by 1/3 after it
-    (other roundings for nearly every score: neither factor is a power of two, as scale can be,
-    so every row with more than one kv position changes). The negative-control variant."""
+    """Attention whose rounding follows the batch, a different one for every step size: with n
+    the step's real token count and c = 2n + 1, q is multiplied by c * scale (rounded to q's
+    dtype) before the q.k dot and the scores by 1/c after it. The negative-control variant.
+
+    Why every n its own c: a variant that picks one of two plans from n (it used n % 5 % 2)
+    can give a probe the same plan in both runs it compares (alone: a 13-token prefill and
+    decodes of n = 1; among 6 requests: decodes of n = 6, same parity), and then only XLA's
+    threaded dots made the control differ. With c injective in n, two schedules that give the
+    probe a different step size in any step round its q and scores differently there, whatever
+    the threading. c is odd and > 1, never a power of two (which would scale exactly)."""
     import jax.numpy as jnp
-    from jax import lax
 
-    from pallas_kernels import paged_attention
+    from pallas_kernels.paged_attention import paged_attention_xla
 
-    def run(prescale: bool):
-        def f(_):
-            return paged_attention(
-                q * jnp.asarray(3.0 * scale, q.dtype) if prescale else q, kv["k"], kv["v"],
-                batch.page_table, batch.context_lens, batch.query_start, batch.positions,
-                scale=1.0 / 3.0 if prescale else scale, layer=layer, backend="xla",
-            )  # fmt: skip
-
-        return f
-
-    pick = (batch.query_start[-1] % 5) % 2
-    return lax.switch(pick.astype(jnp.int32), [run(False), run(True)], None)
+    n = batch.query_start[-1].astype(jnp.float32)
+    c = 2.0 * n + 1.0
+    return paged_attention_xla(  # "none"'s own attention, which takes a traced scale
+        (q.astype(jnp.float32) * (c * scale)).astype(q.dtype), kv["k"], kv["v"],
+        batch.page_table, batch.context_lens, batch.query_start, batch.positions,
+        scale=1.0 / c, layer=layer,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -154,7 +154,9 @@ def batch_dependent_none(monkeypatch):
     attention orders its scaling by the step's real token count, so probe bits change with
     batch composition, budget, chunking and prefix hits, and each invariance comparison is
     shown to detect it. The step caches are bypassed so the variant is traced afresh (and does
-    not leak into other tests). On a GPU it does nothing: XLA there differs by itself.
+    not leak into other tests). Its steps are compiled on one CPU thread, as the invariant
+    modes' are, so that no control leans on a threaded dot's rounding. On a GPU it does
+    nothing: XLA there differs by itself.
     """
     if jax.default_backend() != "cpu":
         return
@@ -171,5 +173,10 @@ def batch_dependent_none(monkeypatch):
         return _pad_rows(_batch_dependent_attention(self, q, kv, layer, batch, scale), out_rows)
 
     monkeypatch.setattr(jdet.ops.Ops, "attention", attention)
+    options = jdet.step.xla_options
+    monkeypatch.setattr(
+        jdet.step, "xla_options",
+        lambda ops: options(ops) if ops.invariant else dict(jdet.step.CPU_XLA_OPTIONS),
+    )  # fmt: skip
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
