@@ -158,7 +158,7 @@ def padding(eng: Any, a: argparse.Namespace) -> list[dict]:
         fixed = r.shapes.fit(T, S, P)
         row: dict[str, Any] = {"case": name, "exact": (T, S, P), "fixed": fixed}
         for label, pad in (("exact", None), ("fixed", fixed)):
-            batch, sampling = _batch(seqs, B, pad, V, eng.block_manager.num_pages)
+            batch, sampling = _batch(seqs, B, pad, V, eng.page_manager.num_pages)
             t0 = time.perf_counter()
             r.kv, out = r.step_fn(r.params, r.kv, batch, sampling)  # compile (exact) or not
             jax.block_until_ready(out)
@@ -175,7 +175,7 @@ def padding(eng: Any, a: argparse.Namespace) -> list[dict]:
         if name.startswith("decode") and fixed[2] != r.shapes.pages[-1]:
             # the same step with the page table at its largest bucket: what one Pmax would cost
             big = (fixed[0], fixed[1], r.shapes.pages[-1])
-            batch, sampling = _batch(seqs, B, big, V, eng.block_manager.num_pages)
+            batch, sampling = _batch(seqs, B, big, V, eng.page_manager.num_pages)
             times = []
             for _ in range(a.reps):
                 t0 = time.perf_counter()

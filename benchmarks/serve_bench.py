@@ -103,7 +103,7 @@ def make_engine(model: Any, mode: str, a: argparse.Namespace, warm: bool = True,
     if a.num_pages is None:
         # Pin the pool to the first engine's size: free memory drifts a little between engines, and
         # a different page count is a different cache shape, i.e. a fresh compile of every bucket.
-        a.num_pages = eng.block_manager.num_pages
+        a.num_pages = eng.page_manager.num_pages
     eng.warmup_s = eng.warmup() if warm else 0.0
     return eng
 
@@ -192,7 +192,7 @@ def decode_b1(model: Any, a: argparse.Namespace, bw: float | None) -> list[dict]
         from serving.sequence import Sequence
 
         seq = Sequence("dev", 0, seq_ids, SamplingOptions(temperature=0.0), seed=0)
-        eng.block_manager.grow(seq, len(seq_ids))
+        eng.page_manager.grow(seq, len(seq_ids))
         seq.num_computed_tokens = len(seq_ids) - 1
         batch, sampling = eng.runner.prepare([(seq, 1)])
         batch = jax.device_put(batch)
@@ -205,7 +205,7 @@ def decode_b1(model: Any, a: argparse.Namespace, bw: float | None) -> list[dict]
             out = eng.runner.dispatch(batch, sampling)
         jax.block_until_ready(out.tokens)
         dev_t = (time.perf_counter() - t0) / n
-        eng.block_manager.release(seq)
+        eng.page_manager.release(seq)
         total = weight_bytes + kv_bytes
         row = {"mode": mode, "ctx": ctx, "bytes_per_step": total,
                "engine_step_s": loop_t, "engine_tok_per_s": 1 / loop_t if loop_t else None,

@@ -25,7 +25,7 @@ class ModelDraft:
       Its writes at the drafted positions are overwritten by the verify step before anyone reads
       them (K/V are written before attention).
     - "draft": a separate small model sharing the vocabulary, with its own KV cache laid out on the
-      target's page tables (same page ids and page size: no second block manager). `mirror` runs
+      target's page tables (same page ids and page size: no second page manager). `mirror` runs
       it on every target step's batch, so its cache holds its K/V for every computed token,
       prefix-cache pages and recomputed (preempted) sequences included.
 
@@ -162,11 +162,11 @@ class ModelDraft:
         for j in range(max(k for _, k in items)):
             active = [seq for seq, k in items if k > j]
             S = len(active)
-            Tp, Sp, Pp = r.shapes.fit(S, S, max(len(s.block_table) for s in active))
+            Tp, Sp, Pp = r.shapes.fit(S, S, max(len(s.page_table) for s in active))
             batch = decode_batch(
                 [got[seq][-1] if j else seq.token_ids[-1] for seq in active],
                 [seq.num_tokens - 1 + j for seq in active],
-                [seq.block_table for seq in active],
+                [seq.page_table for seq in active],
                 r.page_size, pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp,
             )  # fmt: skip
             r.shapes_seen.add((Tp, Sp, Pp))

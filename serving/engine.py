@@ -1,4 +1,4 @@
-"""The engine: add_request / step / abort over the scheduler, block manager and model runner.
+"""The engine: add_request / step / abort over the scheduler, page manager and model runner.
 
 One `step()`:
   1. schedule (stall-free: decodes first, then prefill chunks within the token budget);
@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from serving.block_manager import BlockManager
 from serving.faults import EngineStepError, FaultIsolation
 from serving.metrics import EngineMetrics
 from serving.model_runner import ModelRunner
 from serving.outputs import Reporting, RequestUpdate
+from serving.page_manager import PageManager
 from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
 from serving.scheduler import Scheduler
 from serving.scoring import Scoring, split_scores
@@ -101,12 +101,12 @@ class Engine(FaultIsolation, Reporting, Scoring):
         if self.speculative is not None:
             self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_manager = BlockManager(
+        self.page_manager = PageManager(
             num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
             watermark=watermark,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.block_manager,
+            self.page_manager,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             policy=config.scheduling,
@@ -285,7 +285,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
                 o.max_tokens is not None and seq.num_output_tokens + 2 > o.max_tokens
             ):
                 return None
-        if not all(self.block_manager.grow(seq, n + 1) for seq, n in plan):
+        if not all(self.page_manager.grow(seq, n + 1) for seq, n in plan):
             return None
         nxt = [(seq, 1) for seq, _ in plan]
         prepared = self.runner.prepare_ahead(nxt, out.tokens)
@@ -349,7 +349,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
 
     def refresh_gauges(self) -> None:
         """Bring the Prometheus gauges and counters up to date with the engine state."""
-        self.metrics.refresh(self.block_manager, self.scheduler)
+        self.metrics.refresh(self.page_manager, self.scheduler)
 
     # ------------------------------------------------------------------ convenience
     def warmup(self, kind: str = "step", progress: bool = False, should_stop: Any = None) -> float:

@@ -7,7 +7,7 @@ the batch without it; since a row's bits do not depend on the batch, the others'
 An error that belongs to no one request (the device step itself) ends every request, and
 `recover` resets the KV pool and the page accounting and checks them. `FaultIsolation` holds
 these methods of serving/engine.py's `Engine` (it reads the engine's requests, scheduler,
-block manager, runner and metrics).
+page manager, runner and metrics).
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ class FaultIsolation:
                     s.finish_reason = "error"
             self.metrics.finished.labels("error").inc()
         self._pending.clear()
-        bm = self.block_manager
-        bm.hash_to_page.clear()
-        bm.page_to_hash.clear()
+        pm = self.page_manager
+        pm.hash_to_page.clear()
+        pm.page_to_hash.clear()
         import jax
         import jax.numpy as jnp
 
@@ -107,7 +107,7 @@ class FaultIsolation:
                 lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self.runner.kv
             )
         try:
-            bm.check([])
+            pm.check([])
             assert not self.scheduler.has_work(), "the scheduler still holds sequences"
         except AssertionError as e:
             raise EngineBroken(f"page accounting is inconsistent after {error}: {e}") from e

@@ -58,20 +58,20 @@ class EngineMetrics:
         self.warm = Gauge(p + "warm", "1 once every step shape is compiled", registry=r)
         self.warmup_seconds = Gauge(p + "warmup_seconds", "Start-up compile time", registry=r)
         r.register(_CompileCollector())
-        self._seen_preemptions = 0  # the scheduler's and block manager's totals counted so far
+        self._seen_preemptions = 0  # the scheduler's and page manager's totals counted so far
         self._seen_prefix = (0, 0)
 
-    def refresh(self, block_manager: Any, scheduler: Any) -> None:
-        """Bring the gauges and counters up to date with the engine's block manager and
+    def refresh(self, page_manager: Any, scheduler: Any) -> None:
+        """Bring the gauges and counters up to date with the engine's page manager and
         scheduler (counters advance by what their totals grew since the last refresh)."""
-        bm = block_manager
-        self.kv_pages_used.set(bm.num_used)
+        pm = page_manager
+        self.kv_pages_used.set(pm.num_used)
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         if scheduler.num_preemptions > self._seen_preemptions:
             self.preemptions.inc(scheduler.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = scheduler.num_preemptions
-        q, h = bm.prefix_queries, bm.prefix_hits
+        q, h = pm.prefix_queries, pm.prefix_hits
         self.prefix_queries.inc(q - self._seen_prefix[0])
         self.prefix_hits.inc(h - self._seen_prefix[1])
         self._seen_prefix = (q, h)

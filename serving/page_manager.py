@@ -2,7 +2,7 @@
 
 Why this shape: pages are the only KV memory there is, so every page is at all times either
 *free* (reference count 0, in the LRU free list) or *held* (count = number of sequences whose
-`block_table` lists it) — `check()` asserts exactly that. A free page may still carry the hash of
+`page_table` lists it) — `check()` asserts exactly that. A free page may still carry the hash of
 the full page of tokens whose K/V it holds; a later sequence with the same prefix revives it
 instead of recomputing (prefix caching). Allocation takes the least recently freed page, which
 evicts its hash: the prefix cache is LRU over free pages and never costs capacity.
@@ -33,7 +33,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
+class PageManager:
     """Owns `num_pages` pages of `page_size` tokens. Knows pages, nothing about scheduling."""
 
     def __init__(
@@ -78,7 +78,7 @@ class BlockManager:
         if seqs is not None:
             expect = [0] * self.num_pages
             for s in seqs:
-                for p in s.block_table:
+                for p in s.page_table:
                     expect[p] += 1
             assert expect == self.ref_count, "reference counts do not match the page tables"
         for h, p in self.hash_to_page.items():
@@ -97,30 +97,30 @@ class BlockManager:
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages `seq` needs so that K/V of `num_tokens` more tokens has a slot."""
         return max(
-            0, cdiv(seq.num_computed_tokens + num_tokens, self.page_size) - len(seq.block_table)
+            0, cdiv(seq.num_computed_tokens + num_tokens, self.page_size) - len(seq.page_table)
         )
 
     def tokens_fitting(self, seq: Sequence, free_pages: int) -> int:
         """How many more tokens of `seq` fit in its pages plus `free_pages` new ones."""
-        return (len(seq.block_table) + free_pages) * self.page_size - seq.num_computed_tokens
+        return (len(seq.page_table) + free_pages) * self.page_size - seq.num_computed_tokens
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` the pages for `num_tokens` more tokens; False (and no change) if too few."""
         need = self.pages_needed(seq, num_tokens)
         if need > self.num_free:
             return False
-        seq.block_table.extend(self._take_free_page() for _ in range(need))
+        seq.page_table.extend(self._take_free_page() for _ in range(need))
         return True
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references (finish, abort or preemption). Pages reaching count 0 go to the
         free list tail-first, so the deepest pages of a chain are evicted before its root."""
-        for page in reversed(seq.block_table):
+        for page in reversed(seq.page_table):
             self.ref_count[page] -= 1
             assert self.ref_count[page] >= 0, f"page {page} released twice"
             if self.ref_count[page] == 0:
                 self.free[page] = None
-        seq.block_table = []
+        seq.page_table = []
         seq.page_hashes = []
 
     # ------------------------------------------------------------------ prefix cache
@@ -144,12 +144,12 @@ class BlockManager:
 
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Start `seq` (empty page table) on the cached pages `cached` from `match_prefix`."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not seq.page_table and seq.num_computed_tokens == 0
         for page in cached:
             if self.ref_count[page] == 0:
                 del self.free[page]
             self.ref_count[page] += 1
-        seq.block_table = list(cached)
+        seq.page_table = list(cached)
         seq.page_hashes = [self.page_to_hash[p] for p in cached]
         seq.num_computed_tokens = len(cached) * self.page_size
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -166,7 +166,7 @@ class BlockManager:
             parent = seq.page_hashes[-1] if seq.page_hashes else b""
             h = page_hash(parent, seq.token_ids[i * B : (i + 1) * B])
             seq.page_hashes.append(h)
-            page = seq.block_table[i]
+            page = seq.page_table[i]
             if h not in self.hash_to_page and page not in self.page_to_hash:
                 self.hash_to_page[h] = page
                 self.page_to_hash[page] = h

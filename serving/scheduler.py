@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from serving.block_manager import BlockManager
+from serving.page_manager import PageManager
 from serving.sequence import Sequence, Status
 
 POLICIES = ("stall_free", "prefill_first")
@@ -34,7 +34,7 @@ POLICIES = ("stall_free", "prefill_first")
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        page_manager: PageManager,
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,
@@ -42,7 +42,7 @@ class Scheduler:
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.bm = block_manager
+        self.pm = page_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
@@ -62,7 +62,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.release(seq)
+        self.pm.release(seq)
         seq.status = Status.FINISHED
 
     # ------------------------------------------------------------------ the step plan
@@ -92,8 +92,8 @@ class Scheduler:
             k = min(len(seq.draft_token_ids), budget[0])
             if k < 1 or n != 1 or seq.num_uncomputed != 1 or seq.is_score:
                 continue
-            k = min(k, self.bm.tokens_fitting(seq, self.bm.num_free) - 1)
-            if k >= 1 and self.bm.grow(seq, 1 + k):
+            k = min(k, self.pm.tokens_fitting(seq, self.pm.num_free) - 1)
+            if k >= 1 and self.pm.grow(seq, 1 + k):
                 plan[seq] = 1 + k
                 budget[0] -= k
 
@@ -109,8 +109,8 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
         want = min(seq.num_uncomputed, budget[0])
-        while not self.bm.grow(seq, want):
-            fit = self.bm.tokens_fitting(seq, self.bm.num_free)
+        while not self.pm.grow(seq, want):
+            fit = self.pm.tokens_fitting(seq, self.pm.num_free)
             if fit >= 1 and seq.num_uncomputed > 1:  # a prefill chunk may shrink to fit
                 want = fit
                 continue
@@ -124,18 +124,18 @@ class Scheduler:
     def _admit_waiting(self, plan: dict, budget: list[int]) -> None:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.bm.match_prefix(seq)
+            cached = self.pm.match_prefix(seq)
             if seq.is_score:  # a row's log-prob needs its logits: only rows already scored
-                cached = cached[: seq.num_scored // self.bm.page_size]  # (kept over preemption)
-            revived = sum(1 for p in cached if self.bm.ref_count[p] == 0)
-            avail = self.bm.num_free - revived - self.bm.watermark_pages
-            uncomputed = seq.num_tokens - len(cached) * self.bm.page_size
-            want = min(uncomputed, budget[0], avail * self.bm.page_size)
+                cached = cached[: seq.num_scored // self.pm.page_size]  # (kept over preemption)
+            revived = sum(1 for p in cached if self.pm.ref_count[p] == 0)
+            avail = self.pm.num_free - revived - self.pm.watermark_pages
+            uncomputed = seq.num_tokens - len(cached) * self.pm.page_size
+            want = min(uncomputed, budget[0], avail * self.pm.page_size)
             if want < 1:
                 break  # strict FCFS: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
-            self.bm.admit(seq, cached)
-            assert self.bm.grow(seq, want)
+            self.pm.admit(seq, cached)
+            assert self.pm.grow(seq, want)
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan[seq] = want
@@ -146,7 +146,7 @@ class Scheduler:
         if seq in plan:
             budget[0] += plan.pop(seq)
         self.running.remove(seq)
-        self.bm.release(seq)
+        self.pm.release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -159,4 +159,4 @@ class Scheduler:
         for seq, n in plan:
             if seq.status is Status.RUNNING:
                 seq.num_computed_tokens += n
-                self.bm.register_full_pages(seq)
+                self.pm.register_full_pages(seq)

@@ -1,7 +1,7 @@
 """A sequence owns its state: tokens, pages, progress, sampling settings and timings.
 
-The scheduler moves sequences between its `waiting` and `running` deques; the block manager only
-reads and writes `block_table` / `page_hashes`. One request with `n` samples becomes `n` sequences
+The scheduler moves sequences between its `waiting` and `running` deques; the page manager only
+reads and writes `page_table` / `page_hashes`. One request with `n` samples becomes `n` sequences
 that share the prompt but carry distinct seeds (see `derive_seed`).
 """
 
@@ -54,7 +54,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # hash chain of its registered pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
@@ -126,7 +126,7 @@ class Sequence:
         return (
             f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"pages={len(self.block_table)})"
+            f"pages={len(self.page_table)})"
         )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from serving.block_manager import cdiv
+from serving.page_manager import cdiv
 
 PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
 

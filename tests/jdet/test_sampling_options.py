@@ -241,7 +241,7 @@ def run(eng: Engine, reqs: dict) -> dict:
     for rid, (ids, params) in reqs.items():
         eng.add_request(rid, ids, params)
     outs = {o.request_id: o.outputs[0] for o in eng.run()}
-    assert eng.block_manager.num_used == 0
+    assert eng.page_manager.num_used == 0
     return outs
 
 

@@ -69,8 +69,8 @@ def test_async_scheduling_gives_the_synchronous_bits(serving_model, monkeypatch)
     assert got == want
     reasons = {v[4] for v in want.values()}
     assert {"stop", "length"} <= reasons
-    eng.block_manager.check()
-    assert eng.block_manager.num_used == 0  # every page came back
+    eng.page_manager.check()
+    assert eng.page_manager.num_used == 0  # every page came back
 
     # Negative control: feed each ahead step the wrong rows' tokens; the comparison sees it.
     bad = Engine(serving_model, **SETTINGS, async_scheduling=True)

@@ -86,7 +86,7 @@ def test_after_warmup_no_request_mix_compiles(serving_model, capsys):
     before = compile_cache.stats()
     workload(llm)
     assert llm.engine.scheduler.num_preemptions > 0  # the mix did include preemption
-    assert llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.page_manager.prefix_hits > 0
     assert compile_cache.stats().compiles == before.compiles
 
     # Negative control: a request on an engine whose shapes were not compiled (another KV pool

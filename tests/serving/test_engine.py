@@ -113,10 +113,10 @@ def test_abort_in_any_state_returns_every_page(serving_model):
         if steps == 4:
             assert eng.abort("r3")  # mid-prefill
         live = [s for r in eng.requests.values() for s in r.seqs if not s.is_finished]
-        eng.block_manager.check(live)
+        eng.page_manager.check(live)
     assert not eng.abort("r0") and not eng.abort("nope")
-    eng.block_manager.check([])
-    assert eng.block_manager.num_used == 0
+    eng.page_manager.check([])
+    assert eng.page_manager.num_used == 0
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_stream_backend_yields_deltas_of_the_generate_text_and_frees_pages_when_
     it = stream(eng, ids, sp)
     next(it)
     it.close()  # the consumer walks away
-    assert not eng.has_unfinished() and eng.block_manager.num_used == 0
+    assert not eng.has_unfinished() and eng.page_manager.num_used == 0
 
 
 @pytest.mark.parametrize("mode", ["tp", "batch", "none"])
@@ -256,8 +256,8 @@ def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(ser
     bad = got["bad"]
     assert bad.finished and bad.error and "OverflowError" in bad.error
     assert bad.outputs[0].finish_reason == "error" and len(bad.outputs[0].token_ids) == 2
-    eng.block_manager.check([])
-    assert eng.block_manager.num_used == 0  # every page came back, the failed request's too
+    eng.page_manager.check([])
+    assert eng.page_manager.num_used == 0  # every page came back, the failed request's too
     assert 'jdet_requests_finished_total{reason="error"} 1.0' in eng.metrics.render().decode()
     ref = run(make_engine(serving_model, "tp"), [r for r in reqs if r[0] != "bad"])
     for rid in ref:
@@ -275,8 +275,8 @@ def test_negative_control_without_attribution_the_fault_ends_every_request(servi
     with pytest.raises(EngineStepError, match="OverflowError"):
         eng.run()
     assert fired and not eng.has_unfinished()
-    eng.block_manager.check([])
-    assert eng.block_manager.num_used == 0
+    eng.page_manager.check([])
+    assert eng.page_manager.num_used == 0
     eng.fault_injector = None
     out = run(eng, reqs[:1])  # and it serves again
     assert out[reqs[0][0]].outputs[0].finish_reason == "length"
@@ -296,8 +296,8 @@ def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(s
     eng.add_request("q", ids, params)
     with pytest.raises(EngineStepError, match="injected device error"):
         eng.step()
-    assert not eng.has_unfinished() and eng.block_manager.num_used == 0
-    assert not eng.block_manager.hash_to_page  # K/V of a failed step is not trusted
+    assert not eng.has_unfinished() and eng.page_manager.num_used == 0
+    assert not eng.page_manager.hash_to_page  # K/V of a failed step is not trusted
     eng.runner.dispatch = real
     after = run(eng, [("p", ids, params)])["p"]
     for (t1, l1, k1), (t2, l2, k2) in zip(bits(before), bits(after), strict=True):

@@ -20,9 +20,9 @@ import random
 import numpy as np
 import pytest
 
-from serving.block_manager import BlockManager
 from serving.engine import Engine
 from serving.llm_backend import score
+from serving.page_manager import PageManager
 
 # One xdist worker for the whole module: its tests share the reference runs and compiled steps
 # (tests/conftest.py: --dist loadgroup).
@@ -95,8 +95,8 @@ def run(engine: Engine, reqs: list[tuple[str, list[int], dict]]) -> dict:
     for rid, ids, params in reqs:
         engine.add_request(rid, ids, params)
     outs = {o.request_id: o for o in engine.run()}
-    engine.block_manager.check([])  # every page came back
-    assert engine.block_manager.num_used == 0
+    engine.page_manager.check([])  # every page came back
+    assert engine.page_manager.num_used == 0
     return outs
 
 
@@ -169,8 +169,8 @@ def test_request_bits_do_not_depend_on_token_budget(serving_model, mode, budget)
 def test_preemption_and_recompute_do_not_change_bits(serving_model, mode):
     ref = reference(serving_model, mode)
     eng = make_engine(serving_model, mode)
-    # the same compiled shapes, but the block manager may hand out only 20 of the 64 pages
-    eng.block_manager = eng.scheduler.bm = BlockManager(20, PAGE)
+    # the same compiled shapes, but the page manager may hand out only 20 of the 64 pages
+    eng.page_manager = eng.scheduler.pm = PageManager(20, PAGE)
     got = run(eng, with_probes(others(4, seed=9, long=True), at=3))
     assert eng.scheduler.num_preemptions > 0
     assert all(got[p].num_preemptions > 0 for p in PROBES), "the probes should be preempted"

@@ -328,9 +328,9 @@ def test_hostile_requests_get_4xx_naming_the_problem_while_a_stream_keeps_its_bi
     finally:
         PROBE["seed"] -= 1
     deadline = time.time() + 10
-    while eng.block_manager.num_used and time.time() < deadline:
+    while eng.page_manager.num_used and time.time() < deadline:
         time.sleep(0.05)
-    assert eng.block_manager.num_used == 0 and not eng.has_unfinished()
+    assert eng.page_manager.num_used == 0 and not eng.has_unfinished()
     assert httpx.get(base + "/health").json() == {"status": "ok"}
 
 
@@ -425,6 +425,6 @@ def test_a_request_failing_in_the_engine_gets_its_own_error_and_a_stream_keeps_i
         eng.fault_injector = None
     assert got["probe"] == alone
     deadline = time.time() + 10
-    while eng.block_manager.num_used and time.time() < deadline:
+    while eng.page_manager.num_used and time.time() < deadline:
         time.sleep(0.05)
-    assert eng.block_manager.num_used == 0
+    assert eng.page_manager.num_used == 0

@@ -1,4 +1,4 @@
-"""Scheduler and block manager without a model: budget, decode-first, FCFS, preemption choice,
+"""Scheduler and page manager without a model: budget, decode-first, FCFS, preemption choice,
 prefix hash chain and exact page accounting. A fake "step" appends a random token per sampled
 sequence, so the tests drive the real scheduling loop."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from serving.block_manager import BlockManager, page_hash
+from serving.page_manager import PageManager, page_hash
 from serving.sampling_options import SamplingOptions
 from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status, derive_seed
@@ -38,8 +38,8 @@ def all_seqs(sched: Scheduler) -> list[Sequence]:
 
 
 def test_budget_is_respected_and_decodes_come_first():
-    bm = BlockManager(num_pages=64, page_size=4)
-    sched = Scheduler(bm, max_num_batched_tokens=16, max_num_seqs=8)
+    pm = PageManager(num_pages=64, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=16, max_num_seqs=8)
     rng = random.Random(1)
     decoders = [make_seq(3, f"d{i}", rng) for i in range(3)]
     for s in decoders:
@@ -53,12 +53,12 @@ def test_budget_is_respected_and_decodes_come_first():
     assert sum(n for _, n in plan) == 16  # the long prefill fills exactly the rest
     assert [s.request_id for s, _ in plan][:3] == ["d0", "d1", "d2"]
     assert [n for _, n in plan] == [1, 1, 1, 13]
-    bm.check(all_seqs(sched))
+    pm.check(all_seqs(sched))
 
 
 def test_prefill_first_policy_stalls_decodes():
-    bm = BlockManager(num_pages=64, page_size=4)
-    sched = Scheduler(bm, max_num_batched_tokens=16, max_num_seqs=8, policy="prefill_first")
+    pm = PageManager(num_pages=64, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=16, max_num_seqs=8, policy="prefill_first")
     rng = random.Random(2)
     sched.add(make_seq(3, "d", rng))
     fake_step(sched, sched.schedule(), rng, max_out=100)
@@ -68,8 +68,8 @@ def test_prefill_first_policy_stalls_decodes():
 
 
 def test_admission_is_fcfs_and_limited_by_max_num_seqs():
-    bm = BlockManager(num_pages=64, page_size=4)
-    sched = Scheduler(bm, max_num_batched_tokens=1000, max_num_seqs=3)
+    pm = PageManager(num_pages=64, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=1000, max_num_seqs=3)
     for i in range(5):
         sched.add(make_seq(5, f"r{i}"))
     plan = sched.schedule()
@@ -78,59 +78,59 @@ def test_admission_is_fcfs_and_limited_by_max_num_seqs():
 
 
 def test_head_of_queue_is_not_overtaken_when_pages_are_short():
-    bm = BlockManager(num_pages=6, page_size=4, watermark=0.0)
-    sched = Scheduler(bm, max_num_batched_tokens=8, max_num_seqs=8)
+    pm = PageManager(num_pages=6, page_size=4, watermark=0.0)
+    sched = Scheduler(pm, max_num_batched_tokens=8, max_num_seqs=8)
     sched.add(make_seq(20, "big"))  # 5 pages
     sched.add(make_seq(2, "small"))
     plan = sched.schedule()
     assert [(s.request_id, n) for s, n in plan] == [("big", 8)]  # budget-limited chunk
     plan = sched.schedule()
     fake_step(sched, plan, random.Random(0), 100)
-    bm.check(all_seqs(sched))
+    pm.check(all_seqs(sched))
 
 
 def test_newest_running_sequence_is_preempted_and_requeued_first():
-    bm = BlockManager(num_pages=4, page_size=4, watermark=0.0)
-    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
+    pm = PageManager(num_pages=4, page_size=4, watermark=0.0)
+    sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8)
     rng = random.Random(3)
     a, b = make_seq(7, "old", rng), make_seq(7, "new", rng)
     sched.add(a)
     sched.add(b)
     fake_step(sched, sched.schedule(), rng, 100)  # both prefilled: 2 pages each, pool full
-    assert bm.num_free == 0
+    assert pm.num_free == 0
     fake_step(sched, sched.schedule(), rng, 100)  # token 8 of each fits in page 2
     plan = sched.schedule()  # token 9 needs a third page each: "new" is preempted
     assert [s.request_id for s, _ in plan] == ["old"]
-    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.page_table == []
     assert sched.waiting[0] is b and sched.num_preemptions == 1
-    bm.check(all_seqs(sched))
+    pm.check(all_seqs(sched))
 
 
 def test_prefix_cache_hit_reuses_full_pages_only_and_chain_depends_on_parent():
-    bm = BlockManager(num_pages=32, page_size=4)
-    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
+    pm = PageManager(num_pages=32, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8)
     rng = random.Random(4)
     first = make_seq(10, "a", rng)
     sched.add(first)
     plan = sched.schedule()
-    first_pages = list(first.block_table[:2])  # freed (and the table cleared) when it finishes
+    first_pages = list(first.page_table[:2])  # freed (and the table cleared) when it finishes
     fake_step(sched, plan, rng, max_out=1)  # finishes: pages freed but cached
-    assert bm.num_used == 0 and len(bm.hash_to_page) == 2
+    assert pm.num_used == 0 and len(pm.hash_to_page) == 2
     same = Sequence("b", 0, list(first.prompt_token_ids), SamplingOptions(), seed=0)
     sched.add(same)
     plan = sched.schedule()
     assert same.num_cached_tokens == 8 and plan[0][1] == 2  # 2 full pages hit, 2 tokens left
-    assert same.block_table[:2] == first_pages, "the hit must reuse the cached physical pages"
-    assert all(bm.ref_count[p] == 1 for p in first_pages)
+    assert same.page_table[:2] == first_pages, "the hit must reuse the cached physical pages"
+    assert all(pm.ref_count[p] == 1 for p in first_pages)
     # the same page of tokens after a different first page hashes differently
     p0, p1 = first.prompt_token_ids[:4], first.prompt_token_ids[4:8]
     assert page_hash(page_hash(b"", p0), p1) != page_hash(page_hash(b"", p1), p1)
-    bm.check(all_seqs(sched))
+    pm.check(all_seqs(sched))
 
 
 def test_prompt_fully_cached_still_recomputes_its_last_token():
-    bm = BlockManager(num_pages=32, page_size=4)
-    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
+    pm = PageManager(num_pages=32, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8)
     rng = random.Random(5)
     first = make_seq(8, "a", rng)
     sched.add(first)
@@ -142,28 +142,28 @@ def test_prompt_fully_cached_still_recomputes_its_last_token():
 
 
 def test_lru_eviction_takes_least_recently_freed_page():
-    bm = BlockManager(num_pages=3, page_size=2, watermark=0.0)
+    pm = PageManager(num_pages=3, page_size=2, watermark=0.0)
     s1, s2 = make_seq(2, "a", random.Random(6)), make_seq(2, "b", random.Random(7))
     for s in (s1, s2):
-        bm.admit(s, [])
-        bm.grow(s, 2)
+        pm.admit(s, [])
+        pm.grow(s, 2)
         s.num_computed_tokens = 2
-        bm.register_full_pages(s)
-    p1, p2 = s1.block_table[0], s2.block_table[0]
-    bm.release(s1)
-    bm.release(s2)
+        pm.register_full_pages(s)
+    p1, p2 = s1.page_table[0], s2.page_table[0]
+    pm.release(s1)
+    pm.release(s2)
     s3 = make_seq(4, "c", random.Random(8))
-    bm.admit(s3, [])
-    bm.grow(s3, 4)  # takes the never-used page, then the least recently freed (p1)
-    assert p1 in s3.block_table and p2 not in s3.block_table
-    assert bm.evictions == 1 and p2 in bm.page_to_hash
+    pm.admit(s3, [])
+    pm.grow(s3, 4)  # takes the never-used page, then the least recently freed (p1)
+    assert p1 in s3.page_table and p2 not in s3.page_table
+    assert pm.evictions == 1 and p2 in pm.page_to_hash
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_page_returns_after_random_workload_with_aborts(seed):
     rng = random.Random(seed)
-    bm = BlockManager(num_pages=12, page_size=4, watermark=0.1)
-    sched = Scheduler(bm, max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=5)
+    pm = PageManager(num_pages=12, page_size=4, watermark=0.1)
+    sched = Scheduler(pm, max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=5)
     shared = [rng.randrange(1, 300) for _ in range(9)]
     live: list[Sequence] = []
     for step in range(400):
@@ -182,12 +182,12 @@ def test_every_page_returns_after_random_workload_with_aborts(seed):
         assert sum(n for _, n in plan) <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         fake_step(sched, plan, rng, max_out=rng.randrange(1, 10))
-        bm.check(all_seqs(sched))
+        pm.check(all_seqs(sched))
         if step > 150 and not sched.has_work():
             break
     assert not sched.has_work()
-    assert bm.num_free == bm.num_pages and all(c == 0 for c in bm.ref_count)
-    assert bm.prefix_hits > 0
+    assert pm.num_free == pm.num_pages and all(c == 0 for c in pm.ref_count)
+    assert pm.prefix_hits > 0
 
 
 def test_derived_seeds_are_deterministic_and_distinct():

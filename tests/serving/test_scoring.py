@@ -49,8 +49,8 @@ def run(eng: Engine, gens: dict, scores: dict) -> dict:
     for rid, ids in scores.items():
         eng.add_score(rid, ids)
     outs = {o.request_id: o for o in eng.run()}
-    eng.block_manager.check([])
-    assert eng.block_manager.num_used == 0 and not eng.requests
+    eng.page_manager.check([])
+    assert eng.page_manager.num_used == 0 and not eng.requests
     return outs
 
 
@@ -155,10 +155,10 @@ def test_aborting_a_score_request_frees_its_pages(serving_model):
     eng.add_score("s", SCORE)
     eng.add_request("g", GEN_PROMPT, GEN)
     eng.step()
-    assert eng.block_manager.num_used > 0
+    assert eng.page_manager.num_used > 0
     assert eng.abort("s") and eng.abort("g")
-    eng.block_manager.check([])
-    assert eng.block_manager.num_used == 0 and not eng.has_unfinished()
+    eng.page_manager.check([])
+    assert eng.page_manager.num_used == 0 and not eng.has_unfinished()
 
 
 @pytest.mark.parametrize(

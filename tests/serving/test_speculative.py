@@ -71,8 +71,8 @@ def run(engine: Engine, requests: list[tuple[str, list[int], dict]]) -> dict:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     outs = {o.request_id: o for o in engine.run()}
-    engine.block_manager.check([])  # every page back, rejected-draft pages included
-    assert engine.block_manager.num_used == 0 or engine.block_manager.enable_prefix_caching
+    engine.page_manager.check([])  # every page back, rejected-draft pages included
+    assert engine.page_manager.num_used == 0 or engine.page_manager.enable_prefix_caching
     return outs
 
 
