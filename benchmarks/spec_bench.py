@@ -14,14 +14,16 @@ Each row is run with adaptive K off (`--min-alphas 0`: every decode drafts, as b
 device time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch
 1, context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` with n-gram
 drafts (K = 4) on a copy-heavy prompt (a random token block repeated; `--prompt heldout`: a
-held-out text of the embedded model's corpus, little to copy), same run: the plain engine
-(async dispatch, the GPU default), plain synchronous, spec with adaptive K off (the previous
-engine: every step verifies, synchronously) and spec with adaptive K on (the default: steps where
-no request drafts are dispatched ahead); tokens/s, alpha, steps dispatched ahead, bits asserted
-equal.
+held-out text of the embedded model's corpus, little to copy), four engines side by side in the
+same run, `--reps` rounds in rotated order, median reported with the spread: spec with adaptive
+K (the default: steps where no request drafts are dispatched ahead), spec always drafting
+(`min_alpha=0`: every step verifies, synchronously), plain with async dispatch (the GPU default)
+and plain synchronous; tokens/s, alpha, steps, steps dispatched ahead, ms per step, device->host
+fetches and compiles per run, bits asserted equal. The end-to-end part also runs on a CPU
+(`--gpu --shape embedded --no-verify-timing`: counts, not speeds).
 
     PYTHONPATH=. python -m benchmarks.spec_bench [--ks 1,2,4,8] [--out OUT]
-    PYTHONPATH=. python -m benchmarks.spec_bench --gpu --out $OUT      # < 4 minutes on an H100
+    PYTHONPATH=. python -m benchmarks.spec_bench --gpu --out $OUT      # < 5 minutes on an H100
     PYTHONPATH=. python -m benchmarks.spec_bench --gpu --shape embedded [--prompt heldout]
 Writes `spec_bench.json` (after every row) and prints a table.
 """
@@ -173,8 +175,8 @@ def copy_text() -> str:
 
 
 def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
-    """Both engines have the same shape set (S = T: max_num_seqs >= the token budget), so the
-    plain one reuses the spec one's compiled steps: 3 shapes in all."""
+    """Every engine has the same shape set (S = T: max_num_seqs >= the token budget), so they
+    share the compiled steps: 3 shapes in all."""
     import gc
 
     import jax
@@ -195,7 +197,8 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
               min_pages_bucket=max_len // 16, enable_prefix_caching=False)  # fmt: skip
     spec = jdet.SpeculativeConfig(method="ngram", num_tokens=a.e2e_k)
     eng = Engine(model, **kw, speculative=spec)
-    time_verify(eng, ctx, a.ks, res, save)
+    if not a.no_verify_timing:
+        time_verify(eng, ctx, a.ks, res, save)
     # end to end, batch 1: a copy-heavy prompt (a 64-token block repeated), greedy
     block = np.random.default_rng(0).integers(1, model.cfg.vocab_size, 64).tolist()
     if a.shape == "embedded":  # a docstring repeated: "repeat this text" in its own words
@@ -206,41 +209,92 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
         block = [t for p in prompts_of_corpus(model.tokenizer, 64) for t in p]
     prompt = (block * (ctx // len(block) + 1))[: ctx - 1]
     params = dict(temperature=0.0, max_tokens=a.gpu_tokens, ignore_eos=True)
-    runs = {}
-    # plain: the default engine (async dispatch on a GPU); plain_sync: synchronous; spec_sync:
-    # adaptive K off, every step verifies and so runs synchronously (the engine before adaptive
-    # K); spec: adaptive K on (the default), steps where no request drafts go ahead
-    settings = {"spec": {"speculative": spec},
-                "spec_sync": {"speculative": dataclasses.replace(spec, min_alpha=0.0)},
-                "plain": {}, "plain_sync": {"async_scheduling": "off"}}  # fmt: skip
-    for name in ("spec", "spec_sync", "plain", "plain_sync"):
-        if name != "spec":
-            del eng
-            gc.collect()
-            eng = Engine(model, **kw, **settings[name])
-        generate(eng, [prompt[:40]], dict(params, max_tokens=8))  # compile the shapes met
-        if eng.speculator is not None:
-            eng.speculator.reset_stats()
-        steps0, ahead0 = eng.num_steps, eng.num_steps_ahead
-        outs, dt = generate(eng, [prompt], params)
-        n = len(outs[0].outputs[0].token_ids)
-        runs[name] = (bits(outs), n / dt)
-        row = {"run": name, "K": a.e2e_k if eng.speculator else 0, "tok_per_s": n / dt,
-               "seconds": dt, "tokens": n, "async": bool(eng.async_scheduling),
-               "steps": eng.num_steps - steps0,
-               "steps_ahead": eng.num_steps_ahead - ahead0}  # fmt: skip
-        if eng.speculator is not None:
-            row.update(eng.speculator.stats())
-        res["gpu_e2e"].append(row)
-        print(json.dumps(row), flush=True)
-        save()
-    assert len({repr(b) for b, _ in runs.values()}) == 1, "bits differ"
-    res["gpu_e2e_speedup"] = runs["spec"][1] / runs["plain"][1]
-    res["gpu_e2e_speedup_vs_sync"] = runs["spec"][1] / runs["plain_sync"][1]
-    res["gpu_e2e_old_spec_vs_plain"] = runs["spec_sync"][1] / runs["plain"][1]
-    res["gpu_e2e_new_vs_old_spec"] = runs["spec"][1] / runs["spec_sync"][1]
+    del eng
+    gc.collect()
+    res["gpu_e2e_runs"] = e2e(model, kw, spec, prompt, params, a.reps)
+    save()
+    by = summarize(res["gpu_e2e_runs"])
+    res["gpu_e2e"] = list(by.values())
+    t = {name: r["tok_per_s"] for name, r in by.items()}
+    res["gpu_e2e_adaptive_vs_always"] = t["adaptive"] / t["always_drafting"]
+    res["gpu_e2e_adaptive_vs_plain_async"] = t["adaptive"] / t["plain_async"]
+    res["gpu_e2e_always_vs_plain_async"] = t["always_drafting"] / t["plain_async"]
+    res["gpu_e2e_adaptive_vs_plain_sync"] = t["adaptive"] / t["plain_sync"]
     res["gpu_bits_equal"] = True
     save()
+
+
+ENGINES = ("adaptive", "always_drafting", "plain_async", "plain_sync")
+
+
+def e2e(model: Any, kw: dict, spec: Any, prompt: list[int], params: dict, reps: int) -> list:
+    """Batch-1 generation through `Engine.step`, four engines built side by side (they share the
+    compiled steps) and run in turn, `reps` rounds, the order rotated every round (one run is
+    ~0.3 s on a GPU: host jitter and the first run of a process moved a single run by up to
+    1.6x in session 5, e.g. plain async 307 vs 501 tok/s on the same work): adaptive K (the
+    default), always drafting (`min_alpha=0`, every step verifies, synchronously), plain with
+    async dispatch (the GPU default) and plain synchronous. Each run records its steps, steps
+    dispatched ahead, device->host fetches (the sync points: one per step) and compiles (0
+    expected: a compile inside a run would be a shape warm-up missed); bits asserted equal."""
+    from jdet import compile_cache as cc
+    from serving.engine import Engine
+
+    settings = {"adaptive": {"speculative": spec},
+                "always_drafting": {"speculative": dataclasses.replace(spec, min_alpha=0.0)},
+                "plain_async": {}, "plain_sync": {"async_scheduling": "off"}}  # fmt: skip
+    engines = {}
+    for name in ENGINES:
+        on = {} if name == "plain_sync" else {"async_scheduling": "on"}
+        engines[name] = eng = Engine(model, **{**kw, **on, **settings[name]})
+        generate(eng, [prompt[:40]], dict(params, max_tokens=8))  # compile the shapes met
+    rows, ref = [], None
+    for rep in range(reps):
+        for j in range(len(ENGINES)):
+            name = ENGINES[(j + rep) % len(ENGINES)]
+            eng = engines[name]
+            fetches = [0]
+            real = eng.runner.fetch
+
+            def counted(*args: Any, _real: Any = real, _n: list = fetches) -> Any:
+                _n[0] += 1
+                return _real(*args)
+
+            eng.runner.fetch = counted
+            if eng.speculator is not None:
+                eng.speculator.reset_stats()
+            steps0, ahead0, comp0 = eng.num_steps, eng.num_steps_ahead, cc.stats().compiles
+            outs, dt = generate(eng, [prompt], params)
+            del eng.runner.fetch  # the class's again
+            n = len(outs[0].outputs[0].token_ids)
+            ref = ref if ref is not None else bits(outs)
+            assert bits(outs) == ref, f"{name}: bits differ from the first run"
+            steps = eng.num_steps - steps0
+            row = {"run": name, "rep": rep, "K": spec.num_tokens if eng.speculator else 0,
+                   "tok_per_s": n / dt, "seconds": dt, "tokens": n,
+                   "async": bool(eng.async_scheduling), "steps": steps,
+                   "steps_ahead": eng.num_steps_ahead - ahead0, "ms_per_step": dt / steps * 1e3,
+                   "fetches": fetches[0],
+                   "compiles": cc.stats().compiles - comp0}  # fmt: skip
+            if eng.speculator is not None:
+                row.update(eng.speculator.stats())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    """Per engine: the run of median tok/s (the upper one for an even count; its counters with
+    it) and the spread over reps."""
+    out = {}
+    for name in ENGINES:
+        mine = sorted((r for r in rows if r["run"] == name), key=lambda r: r["tok_per_s"])
+        if not mine:
+            continue
+        med = dict(mine[len(mine) // 2])
+        med["tok_per_s_min"], med["tok_per_s_max"] = mine[0]["tok_per_s"], mine[-1]["tok_per_s"]
+        med["reps"] = len(mine)
+        out[name] = med
+    return out
 
 
 def table(res: dict) -> str:
@@ -261,14 +315,17 @@ def table(res: dict) -> str:
         lines.append(f"GPU verify K={r['K']}: {r['step_ms']:.2f} ms = {r['vs_decode']:.2f}x decode")
     for r in res["gpu_e2e"]:
         extra = f" alpha {r['alpha']:.3f}" if "alpha" in r else ""
-        ahead = f", {r['steps_ahead']}/{r['steps']} steps ahead" if "steps" in r else ""
-        lines.append(f"GPU e2e {r['run']}: {r['tok_per_s']:.1f} tok/s{extra}{ahead}")
-    if "gpu_e2e_speedup" in res:
-        lines.append(f"GPU e2e spec (adaptive K) {res['gpu_e2e_speedup']:.2f}x the default "
-                     f"(async) engine, {res['gpu_e2e_speedup_vs_sync']:.2f}x the synchronous "
-                     f"one; spec without adaptive K (old) "
-                     f"{res.get('gpu_e2e_old_spec_vs_plain', float('nan')):.2f}x async plain; "
-                     f"new/old spec {res.get('gpu_e2e_new_vs_old_spec', float('nan')):.2f}x; "
+        spread = f" ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f} over {r['reps']} reps)"
+        lines.append(
+            f"e2e {r['run']}: {r['tok_per_s']:.1f} tok/s{spread}{extra}, {r['steps']} steps "
+            f"({r['steps_ahead']} ahead) {r['ms_per_step']:.2f} ms/step, {r['fetches']} fetches,"
+            f" {r['compiles']} compiles"
+        )
+    if "gpu_e2e_adaptive_vs_always" in res:
+        lines.append(f"e2e adaptive K / always drafting {res['gpu_e2e_adaptive_vs_always']:.2f}x; "
+                     f"adaptive / plain async {res['gpu_e2e_adaptive_vs_plain_async']:.2f}x; "
+                     f"always drafting / plain async {res['gpu_e2e_always_vs_plain_async']:.2f}x;"
+                     f" adaptive / plain sync {res['gpu_e2e_adaptive_vs_plain_sync']:.2f}x; "
                      "bits equal")  # fmt: skip
     return "\n".join(lines)
 
@@ -291,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--gpu-tokens", type=int, default=128, help="tokens generated end to end")
     p.add_argument("--e2e-k", type=int, default=4, help="K of the end-to-end n-gram run")
+    p.add_argument("--reps", type=int, default=5,
+                   help="end-to-end rounds (each runs the four engines, order rotated)")
+    p.add_argument("--no-verify-timing", action="store_true",
+                   help="--gpu: skip the verify-step timing (e.g. the end-to-end part on a CPU)")
     a = p.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]
     a.kinds = a.kinds.split(",")

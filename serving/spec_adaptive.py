@@ -15,11 +15,19 @@ input token on the device (tests/serving/test_async.py). tests/serving/test_spec
 compares with np.array_equal.
 
 The estimate: per sequence, a decayed count of accepted drafts over drafts reached (the seed's
-per-position alpha), updated by every verify (`record_verify`); an n-gram lookup that finds no
-draft counts as one rejected draft. Below `min_alpha` (after `WARMUP` reached drafts) the
-sequence falls back. While it is fallen back its alpha keeps being measured:
-  - n-gram drafts, on the host, for free: for each token it got, whether the lookup on the
-    tokens before it would have proposed it (`observe`, run while the device computes a step);
+per-position alpha), updated by every verify (`record_verify`). An n-gram lookup that finds no
+draft is not a miss: it says nothing about how good the drafts are (a copy-heavy request has
+stretches of new text between copies), and such a step costs nothing to speculation; the
+sequence decodes plainly in it, and once DRY lookups in a row found nothing its steps may go
+ahead while the lookup on its latest tokens still finds nothing (`Speculator.can_run_ahead`;
+a streak, not one lookup: a single empty lookup in natural text is often followed by a useful
+one, which an ahead step would skip). Counting those lookups as misses made a
+copying request fall back between copies and miss the next copy's drafts (session 6). Below
+`min_alpha` (after `WARMUP` reached drafts) the sequence falls back. While it is fallen back its
+alpha keeps being measured:
+  - n-gram drafts, on the host, for free: for each token it got where the lookup on the tokens
+    before it proposes something, whether it proposed that token (`observe`, run while the
+    device computes a step; positions without a proposal are skipped, as above);
   - model drafts (a pass of the draft costs device time): every `probe_every` tokens it verifies
     one step's drafts again (a probe), whose outcome updates the estimate.
 It drafts again as soon as its estimate reaches `min_alpha`.
@@ -35,6 +43,7 @@ from serving.sequence import Sequence
 
 DECAY = 0.8  # weight of the past per verify (or observed token): about the last 5 count
 WARMUP = 4  # drafts reached before a sequence may fall back
+DRY = 3  # lookups in a row that found nothing before a sequence's steps go ahead (n-gram)
 
 
 @dataclasses.dataclass
@@ -46,6 +55,7 @@ class Acceptance:
     num_reached: int = 0  # undecayed, for WARMUP
     seen: int | None = None  # tokens already accounted for (None: sync at the next look)
     idle: int = 0  # tokens decoded without drafts since the last verify (model drafts' probe)
+    dry: int = 0  # consecutive n-gram lookups on its latest tokens that found nothing
 
     @property
     def alpha(self) -> float:
@@ -103,8 +113,11 @@ class AdaptiveK:
                 if self.lookup is None:
                     st.idle += 1
                     continue
+                d = self.lookup(seq, i)
+                if d is None:
+                    continue  # no proposal there: not a miss (module docstring)
                 self.num_shadow_checks += 1
-                st.add(int(self.lookup(seq, i) == seq.token_ids[i]), 1)
+                st.add(int(d == seq.token_ids[i]), 1)
                 if not self.fallen_back(seq):
                     break  # drafting again: later tokens are the verifies' to count
             st.seen = n
@@ -117,9 +130,19 @@ class AdaptiveK:
             return False
         return True
 
+    def record_lookup(self, seq: Sequence, found: bool) -> None:
+        """An n-gram lookup on `seq`'s latest tokens (for its drafts, or before an ahead step)
+        found a draft or not: counts the dry streak (`dry`)."""
+        st = self._of(seq)
+        st.dry = 0 if found else st.dry + 1
+
+    def dry(self, seq: Sequence) -> bool:
+        """Whether `seq`'s last DRY lookups all found nothing: its next step may go ahead
+        without drafts (module docstring)."""
+        return self._of(seq).dry >= DRY
+
     def record_verify(self, seq: Sequence, accepted: int, rejected: int) -> None:
-        """A verify's outcome (or, with rejected=1 and accepted=0, an n-gram lookup that found
-        nothing). The tokens it brings are not observed again."""
+        """A verify's outcome. The tokens it brings are not observed again."""
         st = self._of(seq)
         st.add(accepted, accepted + rejected)
         st.idle = 0

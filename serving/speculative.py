@@ -148,13 +148,31 @@ class Speculator:
 
     def can_run_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
         """Whether the step after `plan` may be dispatched before `plan`'s tokens reach the host
-        (`Engine._dispatch_ahead`): only when adaptive K has every sequence of it decoding
-        without drafts (a verify's successor depends on how many drafts it accepts)."""
+        (`Engine._dispatch_ahead`; a verify's successor depends on how many drafts it accepts,
+        so `plan` must verify nothing): with adaptive K on, when every sequence of it decodes
+        without drafts next step anyway, because it has fallen back, or (n-gram) because the
+        lookup on its latest tokens on the host finds nothing. The latter lags one token (the
+        input of the step in flight is known, its output is not): a match that appears with
+        that output is drafted one step later. min_alpha=0 (always draft) never goes ahead."""
         a = self.adaptive
         if a is None:
             return False
-        a.observe(seq for seq, _ in plan)  # host work while the device runs `plan`
-        return all(a.fallen_back(seq) for seq, _ in plan)
+        seqs = [seq for seq, n in plan]
+        if any(n != 1 for _, n in plan):
+            return False
+        a.observe(seqs)  # host work while the device runs `plan`
+        ok = [a.fallen_back(seq) or self._dry(seq) for seq in seqs]  # every streak counted
+        return all(ok)
+
+    def _dry(self, seq: Sequence) -> bool:
+        """n-gram: whether the lookup on `seq`'s tokens so far proposes nothing, as the last
+        DRY - 1 did (serving/spec_adaptive.py). A model draft always proposes."""
+        if self.model_draft is not None or self.adaptive is None:
+            return False
+        c = self.config
+        found = bool(ngram_draft(self._tokens(seq), 1, c.ngram_min, c.ngram_max))
+        self.adaptive.record_lookup(seq, found)
+        return self.adaptive.dry(seq)
 
     def ahead(self, plan: list[tuple[Sequence, int]], prepared: tuple) -> tuple:
         """A dispatched-ahead decode step's inputs (rejection mode: its step's, no draft) and a
@@ -251,8 +269,8 @@ class Speculator:
                 seq.draft_token_ids = [-1] * k
             elif k > 0:
                 seq.draft_token_ids = ngram_draft(self._tokens(seq), k, c.ngram_min, c.ngram_max)
-                if not seq.draft_token_ids and self.adaptive is not None:
-                    self.adaptive.record_verify(seq, 0, 1)  # no draft: a miss for the estimate
+                if self.adaptive is not None:  # none found: a plain decode, not a miss
+                    self.adaptive.record_lookup(seq, bool(seq.draft_token_ids))
 
     def fill(self, plan: list[tuple[Sequence, int]]) -> None:
         """After scheduling: a model draft's tokens for each verify in `plan` (k = n - 1)."""

@@ -169,6 +169,49 @@ def test_policy_falls_back_and_recovers_on_host_measure():
     assert not m.drafts(s)
 
 
+def test_a_lookup_that_finds_nothing_is_not_a_miss_and_dry_steps_go_ahead():
+    """An n-gram lookup that proposes nothing leaves the acceptance estimate alone (a copying
+    request must not fall back between copies), and after DRY such lookups in a row the
+    sequence's steps may go ahead; one whose lookup finds a draft may not. Control: the same
+    calls on a sequence whose lookup proposes a draft give the opposite answer."""
+    from serving.spec_adaptive import DRY
+    from serving.speculative import Speculator
+
+    spec = Speculator(SpeculativeConfig(), max_model_len=4096)
+    dry = _seq(list(range(1, 30)))  # no token repeats: the lookup finds nothing
+    dry.num_computed_tokens = len(dry.token_ids) - 1  # decoding: one uncomputed token
+    wet = _seq([7, 8, 9] * 10)  # the lookup proposes the pattern's continuation
+    wet.num_computed_tokens = len(wet.token_ids) - 1
+    for s in (dry, wet):
+        s.status = type(s.status).RUNNING
+    for _ in range(2 * WARMUP):
+        spec.propose([dry, wet])
+        assert dry.draft_token_ids == [] and wet.draft_token_ids[:1] == [7]
+    st = spec.adaptive.state[dry]
+    assert st.num_reached == 0 and st.alpha == 1.0 and not spec.adaptive.fallen_back(dry)
+    assert st.dry >= DRY
+    assert spec.can_run_ahead([(dry, 1)])
+    assert not spec.can_run_ahead([(wet, 1)]) and not spec.can_run_ahead([(dry, 1), (wet, 1)])
+    assert not spec.can_run_ahead([(dry, 2)])  # a verify's successor: never ahead
+    fresh = Speculator(SpeculativeConfig(), max_model_len=4096)
+    fresh.propose([dry])
+    assert not fresh.can_run_ahead([(dry, 1)])  # one dry lookup is not yet a streak
+    always = Speculator(SpeculativeConfig(min_alpha=0.0), max_model_len=4096)
+    assert not always.can_run_ahead([(dry, 1)])  # min_alpha=0: the previous engine
+
+
+def test_dry_requests_go_ahead_without_falling_back_and_keep_the_bits(serving_model, plain):
+    """Random prompts with 4-gram lookups (ngram_min=4: next to nothing matches): their steps
+    go ahead because the lookups run dry, not because the estimate fell; same bits as plain
+    synchronous decoding (the module's negative control shows a wrong ahead step is seen)."""
+    spec = SpeculativeConfig(ngram_min=4)
+    eng = make_engine(serving_model, spec, async_scheduling="on")
+    got = run(eng, random_only())
+    assert_same(got, {k: plain[k] for k in got})
+    assert eng.num_steps_ahead > 10, eng.num_steps_ahead
+    assert eng.speculator.adaptive.num_fallback_steps == 0
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [(dict(min_alpha=1.5), "min_alpha"), (dict(min_alpha="x"), "min_alpha"),
