@@ -1,12 +1,21 @@
 """Batch-invariant reductions over the vocabulary: logsumexp and log_softmax.
 
-Reduction plan (log_softmax / logsumexp): one row per program. Pass 1 takes the row max (max is
-exact in any order). Pass 2 walks V in fixed blocks of BLOCK_V lanes, accumulating exp(x - max)
-lane-wise in f32, then sums the BLOCK_V lanes with one fixed-shape reduction; lse = max + log(sum).
-Pass 3 (log_softmax) writes x - lse. BLOCK_V is a constant and nothing depends on the number of
-rows N, so row i is bitwise the same for any N (XLA's own row reductions are not: on an H100
-`sum(x*x, -1)` of row 0 changes between B=2 and B=7). On a CPU `xla_fixed` runs instead (the sum
-as a halving tree over V), or these kernels in interpret mode with JDET_PALLAS_INTERPRET=1.
+Reduction plan (both): V is cut into C = ceil(V / CHUNK) fixed chunks of CHUNK = 4 x BLOCK_V
+lanes, C a function of V only. Pass 1, one program per (row, chunk): the chunk max m_c (max is
+exact in any order) and s_c = sum of exp(x - m_c) over the chunk, accumulated lane-wise in f32 over
+its 4 blocks of BLOCK_V lanes, then the BLOCK_V lanes summed by one fixed-shape reduction (s_c = 0
+for a chunk of only -inf). Pass 2: M = max_c m_c, S = sum_c s_c * exp(m_c - M) as one fixed-shape
+reduction over a power-of-two block of the C partials, lse = M + log(S); for log_softmax every
+(row, chunk) program recomputes this lse (the same bits in each) and writes its chunk's x - lse.
+Nothing depends on the number of rows N, so row i is bitwise the same for any N (XLA's own row
+reductions are not: on an H100 `sum(x*x, -1)` of row 0 changes between B=2 and B=7).
+
+Why two passes over chunks and not one program per row: a decode step has N = 1 row of 128-152k
+logits, and one program walking them took 53 µs per call on an H100 (two calls per step: the
+reported log-probs and the top-p filter); C programs per row bring it to a few µs.
+
+On a CPU `xla_fixed` runs instead (the sum as a halving tree over V), or these kernels in
+interpret mode with JDET_PALLAS_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -15,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -31,82 +39,135 @@ def _load(ref, mask, other):
 
 
 BLOCK_V = 2048
+CHUNK_BLOCKS = 4  # BLOCK_V blocks per chunk (pass 1 program)
+CHUNK = BLOCK_V * CHUNK_BLOCKS
 
 
-def _row_lse(x_ref, block_v: int):
-    v = x_ref.shape[0]
-    steps = pl.cdiv(v, block_v)
-    ragged = v % block_v != 0
-
-    def load(i):
-        idx = i * block_v + jnp.arange(block_v)
-        mask = (idx < v) if ragged else None
-        x = _load(x_ref.at[idx], mask, -jnp.inf)
-        return x.astype(jnp.float32)
-
-    def max_body(i, m):
-        return jnp.maximum(m, load(i))
-
-    m = jnp.max(lax.fori_loop(0, steps, max_body, jnp.full((block_v,), -jnp.inf, jnp.float32)))
-
-    def sum_body(i, s):
-        return s + jnp.exp(load(i) - m)
-
-    s = jnp.sum(lax.fori_loop(0, steps, sum_body, jnp.zeros((block_v,), jnp.float32)))
-    return m + jnp.log(s)
+def num_chunks(v: int) -> int:
+    """Chunks of a row of V logits: a function of V only."""
+    return pl.cdiv(v, CHUNK)
 
 
-def _lse_kernel(x_ref, o_ref, *, block_v: int):
-    o_ref[...] = jnp.full(o_ref.shape, _row_lse(x_ref, block_v), jnp.float32)
+def _chunk_lanes(x_ref, c, j, v: int, other: float):
+    """Block j of chunk c as f32 lanes (masked past V), and its indices and mask."""
+    idx = c * CHUNK + j * BLOCK_V + jnp.arange(BLOCK_V)
+    mask = (idx < v) if v % CHUNK != 0 else None
+    return _load(x_ref.at[idx], mask, other).astype(jnp.float32), idx, mask
 
 
-def _log_softmax_kernel(x_ref, o_ref, *, block_v: int):
-    lse = _row_lse(x_ref, block_v)
-    v = x_ref.shape[0]
-    ragged = v % block_v != 0
+def _partials_kernel(x_ref, m_ref, s_ref, *, v: int):
+    """Pass 1 for (row, chunk c = program_id(1)): the chunk's max and exp-sum about it."""
+    c = pl.program_id(1)
+    lanes = [_chunk_lanes(x_ref, c, j, v, -jnp.inf)[0] for j in range(CHUNK_BLOCKS)]
+    mx = lanes[0]
+    for x in lanes[1:]:
+        mx = jnp.maximum(mx, x)
+    m = jnp.max(mx)
+    safe = jnp.where(m == -jnp.inf, 0.0, m)  # a chunk of only -inf contributes s = 0
+    acc = jnp.zeros((BLOCK_V,), jnp.float32)
+    for x in lanes:
+        acc = acc + jnp.exp(x - safe)
+    m_ref[...] = jnp.full(m_ref.shape, m, jnp.float32)
+    s_ref[...] = jnp.full(s_ref.shape, jnp.sum(acc), jnp.float32)
 
-    def body(i, carry):
-        idx = i * block_v + jnp.arange(block_v)
-        mask = (idx < v) if ragged else None
-        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
+
+def _lse_from_partials(m_ref, s_ref, c_pad: int):
+    """Pass 2's combination of one row's C partials (fixed-shape block of c_pad >= C lanes)."""
+    c = m_ref.shape[0]
+    idx = jnp.arange(c_pad)
+    mask = (idx < c) if c_pad != c else None
+    m = _load(m_ref.at[idx], mask, -jnp.inf)
+    s = _load(s_ref.at[idx], mask, 0.0)
+    big = jnp.max(m)
+    safe = jnp.where(big == -jnp.inf, 0.0, big)
+    scaled = jnp.where(m == -jnp.inf, 0.0, s * jnp.exp(m - safe))
+    return big + jnp.log(jnp.sum(scaled))
+
+
+def _lse_kernel(m_ref, s_ref, o_ref, *, c_pad: int):
+    o_ref[...] = jnp.full(o_ref.shape, _lse_from_partials(m_ref, s_ref, c_pad), jnp.float32)
+
+
+def _log_softmax_kernel(x_ref, m_ref, s_ref, o_ref, *, v: int, c_pad: int):
+    lse = _lse_from_partials(m_ref, s_ref, c_pad)
+    c = pl.program_id(1)
+    for j in range(CHUNK_BLOCKS):
+        x, idx, mask = _chunk_lanes(x_ref, c, j, v, 0.0)
         pltriton.store(o_ref.at[idx], x - lse, mask=mask)
-        return carry
-
-    lax.fori_loop(0, pl.cdiv(v, block_v), body, 0)
 
 
-def _row_call(kernel, x: jax.Array, out_cols: int | None, name: str) -> jax.Array:
+def _params(interpret: bool):
+    return None if interpret else pltriton.CompilerParams(num_warps=8, num_stages=1)
+
+
+def _check(x: jax.Array, name: str) -> None:
     if x.ndim != 2:
         raise ValueError(f"{name} expects logits x[N, V]; got shape {x.shape}")
+
+
+def _partials(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pass 1: per-(row, chunk) max and exp-sum, each f32[N, C]."""
     n, v = x.shape
+    c = num_chunks(v)
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=8, num_stages=1)
-    if out_cols is None:  # one f32 per row, stored as an [N, 1] block
-        out_shape = jax.ShapeDtypeStruct((n, 1), jnp.float32)
-        out_spec = pl.BlockSpec((1, 1), lambda i: (i, 0))
-    else:
-        out_shape = jax.ShapeDtypeStruct((n, v), jnp.float32)
-        out_spec = pl.BlockSpec((None, v), lambda i: (i, 0))
+    row = pl.BlockSpec((None, v), lambda i, j: (i, 0))
+    part = pl.BlockSpec((None, 1), lambda i, j: (i, j))
+    shape = jax.ShapeDtypeStruct((n, c), jnp.float32)
     return pl.pallas_call(
-        functools.partial(kernel, block_v=BLOCK_V),
-        out_shape=out_shape,
-        grid=(n,),
-        in_specs=[pl.BlockSpec((None, v), lambda i: (i, 0))],
-        out_specs=out_spec,
+        functools.partial(_partials_kernel, v=v),
+        out_shape=(shape, shape),
+        grid=(n, c),
+        in_specs=[row],
+        out_specs=(part, part),
         interpret=interpret,
-        compiler_params=params,
-        name=name,
+        compiler_params=_params(interpret),
+        name="bi_vocab_partials",
     )(x)
+
+
+def _pow2(c: int) -> int:
+    return 1 << max(0, (c - 1).bit_length())
 
 
 @jax.jit
 def _logsumexp_pallas(x: jax.Array) -> jax.Array:
-    return _row_call(_lse_kernel, x, None, "bi_logsumexp")[:, 0]
+    _check(x, "logsumexp")
+    n, v = x.shape
+    m, s = _partials(x)
+    c = m.shape[1]
+    interpret = _platform.interpret_default()
+    parts = pl.BlockSpec((None, c), lambda i: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_lse_kernel, c_pad=_pow2(c)),
+        out_shape=jax.ShapeDtypeStruct((n, 1), jnp.float32),
+        grid=(n,),
+        in_specs=[parts, parts],
+        out_specs=pl.BlockSpec((1, 1), lambda i: (i, 0)),
+        interpret=interpret,
+        compiler_params=_params(interpret),
+        name="bi_logsumexp",
+    )(m, s)[:, 0]
 
 
 @jax.jit
 def _log_softmax_pallas(x: jax.Array) -> jax.Array:
-    return _row_call(_log_softmax_kernel, x, x.shape[1], "bi_log_softmax")
+    _check(x, "log_softmax")
+    n, v = x.shape
+    m, s = _partials(x)
+    c = m.shape[1]
+    interpret = _platform.interpret_default()
+    row = pl.BlockSpec((None, v), lambda i, j: (i, 0))
+    parts = pl.BlockSpec((None, c), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_log_softmax_kernel, v=v, c_pad=_pow2(c)),
+        out_shape=jax.ShapeDtypeStruct((n, v), jnp.float32),
+        grid=(n, c),
+        in_specs=[row, parts, parts],
+        out_specs=row,
+        interpret=interpret,
+        compiler_params=_params(interpret),
+        name="bi_log_softmax",
+    )(x, m, s)
 
 
 def _use_xla(x: jax.Array, backend: str | None, name: str) -> bool:

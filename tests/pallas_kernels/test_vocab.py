@@ -55,6 +55,27 @@ def test_vocab_row_bits_do_not_depend_on_batch_size():
         assert np.array_equal(np.asarray(log_softmax(x[:n])), full_ls[:n]), n
 
 
+def test_multi_chunk_rows_with_all_inf_chunks():
+    """V over several pass-1 chunks (the last ragged), a row whose first chunks are all -inf (the
+    top-p filter's masked logits): finite where the logit is, -inf where it is not, float64
+    accuracy, and the rows' bits independent of N."""
+    from pallas_kernels.vocab import num_chunks
+
+    v = 20000
+    assert num_chunks(v) == 3
+    x = _logits(6, (5, v)).at[1, : v - 100].set(-jnp.inf)
+    ls, lse = np.asarray(log_softmax(x)), np.asarray(logsumexp(x))
+    fin = np.isfinite(np.asarray(x))
+    assert np.isneginf(ls[~fin]).all() and np.isfinite(ls[fin]).all()
+    ref = _lse64(np.where(fin, np.asarray(x, np.float64), -np.inf))
+    assert np.abs(lse - ref).max() < 1e-5 * np.abs(ref).max()
+    err = np.abs(ls - (np.asarray(x, np.float64) - ref[:, None]))[fin]
+    assert err.max() < 1e-5 * np.abs(ls[fin]).max()
+    for n in (1, 2, 3):
+        assert np.array_equal(np.asarray(log_softmax(x[:n])), ls[:n]), n
+        assert np.array_equal(np.asarray(logsumexp(x[:n])), lse[:n]), n
+
+
 def _near_zero_lse(x: jax.Array) -> jax.Array:
     """Rows shifted so that their logsumexp is ~0.3: there an ulp of the result (3e-8) is finer
     than the ~1e-7 relative change a reordered sum makes, which near lse ~ 15 would round away."""
