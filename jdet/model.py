@@ -93,11 +93,12 @@ def layer_forward(
         "v": write_kv(kv["v"], layer, v, batch.slot_mapping),
     }
     attn = ops.attention(q, kv, layer, batch, E**-0.5, meta=attn_meta, out_rows=rows)
-    o = ops.row_matmul(attn.reshape(rows, -1), lp["wo"])
+    attn = attn.reshape(rows, -1)
     if cfg.o_bias:
-        o = o + lp["bo"]
-    x = x + o
-    h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
+        x = x + (ops.row_matmul(attn, lp["wo"]) + lp["bo"])
+        h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
+    else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
+        x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
     if ops.fused:  # fused gate|up, as wqkv
         gate_up = ops.matmul(h, lp["w_gate_up"])
         gate, up = jnp.split(gate_up, 2, axis=-1)

@@ -90,6 +90,9 @@ class Ops:
     # `w_gate_up` where `fuse_default()` (`fused`). Both False: the checkpoint's own layout.
     fused: bool = False
     untied: bool = False
+    # Fold o_proj's tree combine, the residual add and the MLP's RMSNorm into one kernel
+    # (`residual_norm`; same bits). Only where the tree matmul runs on Hopper's Mosaic kernel.
+    fuse_residual_norm: bool = True
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -149,6 +152,25 @@ class Ops:
 
             return tree_matmul(x, w, out_dtype=x.dtype)
         return self.matmul(x, w)
+
+    def residual_norm(
+        self, x: jax.Array, a: jax.Array, w: jax.Array, norm_w: jax.Array, eps: float,
+        layer: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+        """(x + row_matmul(a, w), its RMSNorm with row `layer` of the stacked norm_w [L, D]).
+
+        In "tp" without TP sharding on Hopper, one kernel (`rms_norm.add_rms_norm`) does the
+        tree matmul's combine, the add and the norm: one launch instead of two per layer, the
+        same bits (the same f32 additions in the same order, the same roundings)."""
+        if self.invariance == "tp" and self.fuse_residual_norm and self.row_reduce is None:
+            from pallas_kernels.rms_norm import add_rms_norm
+            from pallas_kernels.tree_matmul import tree_matmul_parts
+
+            parts = tree_matmul_parts(a, w)
+            if parts is not None:
+                return add_rms_norm(x, parts, norm_w, eps, layer=layer)
+        x = x + self.row_matmul(a, w)
+        return x, self.rms_norm(x, norm_w, eps, layer)
 
     # -- attention over the paged cache ---------------------------------------------------------
     def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:

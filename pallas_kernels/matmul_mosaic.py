@@ -359,6 +359,22 @@ def _tree(a, b, out_dtype, num_leaves: int, subtree: int, tile_n: int, wide: boo
     return combine_tree([parts[j, :m] for j in range(parts.shape[0])]).astype(out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("num_leaves", "subtree", "tile_n", "wide", "small"))
+def _tree_parts(a, b, num_leaves: int, subtree: int, tile_n: int, wide: bool, small: bool):
+    m = a.shape[0]
+    cfg = tree_config(min(subtree, num_leaves), tile_n, jnp.float32, wide, small)
+    return _leaf_products(a, b, jnp.dtype(jnp.float32), num_leaves, cfg)[:, :m]
+
+
+def tree_parts(a: jax.Array, b: jax.Array, *, num_leaves: int, tile_n: int = TREE_TILE_N):
+    """The f32 leaf-group results [G, M, N] of `tree_matmul` before XLA combines them:
+    `combine_tree(list(parts)).astype(dtype)` is tree_matmul's result bitwise (G = 1 where the
+    whole tree is reduced in registers). For a consumer that folds the combine into its own
+    kernel (rms_norm.add_rms_norm: combine + residual add + the next RMSNorm, one launch)."""
+    subtree, wide, small = tree_strategy(a.shape[0], b.shape[1], num_leaves)
+    return _tree_parts(a, b, num_leaves, subtree, tile_n, wide, small)
+
+
 def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool, bool]:
     """(subtree, wide, small) for an M x N product: how the fixed tree is spread over work items.
 

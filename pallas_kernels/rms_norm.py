@@ -133,6 +133,98 @@ def _rms_norm_pallas(
     )(*operands)
 
 
+def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float, block_d: int,
+                    groups: int, rows: int):  # fmt: skip
+    """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
+    tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
+    array (indexed like the stacked weight: the proven way to address a slice in place)."""
+    from pallas_kernels.combine import combine_tree
+
+    d = x_ref.shape[0]
+    row = pl.program_id(0)
+    w_off = layer_ref[0] * d
+    steps = pl.cdiv(d, block_d)
+    ragged = d % block_d != 0
+
+    def resid(i):
+        idx = i * block_d + jnp.arange(block_d)
+        mask = (idx < d) if ragged else None
+        x = _load(x_ref.at[idx], mask, 0.0)
+        parts = [_load(p_ref.at[(g * rows + row) * d + idx], mask, 0.0) for g in range(groups)]
+        o = combine_tree(parts).astype(x.dtype)
+        r = (x.astype(jnp.float32) + o.astype(jnp.float32)).astype(x.dtype)
+        return idx, mask, r
+
+    def sq_body(i, acc):
+        idx, mask, r = resid(i)
+        pltriton.store(r_ref.at[idx], r, mask=mask)
+        rf = r.astype(jnp.float32)
+        return acc + rf * rf
+
+    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
+    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
+
+    def out_body(i, carry):
+        idx, mask, r = resid(i)  # recomputed (same bits), not re-read from r_ref
+        w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
+        normed = (r.astype(jnp.float32) * inv).astype(o_ref.dtype)
+        y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[idx], y, mask=mask)
+        return carry
+
+    lax.fori_loop(0, steps, out_body, 0)
+
+
+def add_rms_norm(
+    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, layer: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(r, rms_norm(r, w[layer])) with r = x + combine_tree(list(parts)).astype(x.dtype): the
+    row-parallel projection's combine, the residual add and the next RMSNorm in one launch.
+
+    Why: after o_proj the decode step ran the tree combine + residual add as one XLA fusion and
+    then the norm kernel, two launches of ~2-3 µs for a few KB; this is one. Bits: the combine is
+    the same f32 additions in the same order (combine_tree), r is rounded to x.dtype as XLA's
+    add is, and the norm is `rms_norm`'s reduction plan (same block_d, same warps), so r and the
+    normed rows equal the three-step path's bitwise (tests/pallas_kernels/test_rms_norm.py;
+    on the GPU tests/jdet/test_step_fusion.py). x[T, D], parts f32[G, T, D], w the stack [L, D].
+    GPU and interpret mode only (the CPU path keeps the unfused ops)."""
+    t, d = x.shape
+    if parts.ndim != 3 or parts.shape[1:] != (t, d) or w.ndim != 2 or w.shape[1] != d:
+        raise ValueError(
+            f"add_rms_norm expects x[T, D], parts[G, T, D], w[L, D]; got {x.shape}, "
+            f"{parts.shape}, {w.shape}"
+        )
+    return _add_rms_norm_pallas(x, parts, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
+    t, d = x.shape
+    groups = parts.shape[0]
+    interpret = _platform.interpret_default()
+    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    row = pl.BlockSpec((None, d), lambda i: (i, 0))
+    flat = parts.reshape(-1)
+    kernel = functools.partial(
+        _add_rms_kernel, eps=eps, block_d=block_d_for(d), groups=groups, rows=t
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, d), x.dtype)),
+        grid=(t,),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i: (0,)),
+            row,
+            pl.BlockSpec(flat.shape, lambda i: (0,)),
+            pl.BlockSpec(w.shape, lambda i: (0,)),
+        ],
+        out_specs=(row, row),
+        interpret=interpret,
+        compiler_params=params,
+        name="bi_add_rms_norm",
+    )(layer.reshape(1), x, flat, w)
+
+
 def rms_norm_reference(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Plain jnp RMSNorm with the same rounding points (XLA's reduction order, not invariant)."""
     x32 = x.astype(jnp.float32)

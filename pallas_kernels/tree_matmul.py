@@ -144,6 +144,23 @@ def tree_matmul(
     )
 
 
+def tree_matmul_parts(
+    a: jax.Array, b: jax.Array, *, backend: str | None = None
+) -> jax.Array | None:
+    """f32 parts [G, M, N] with `combine_tree(list(parts)).astype(dtype) == tree_matmul(a, b)`
+    bitwise, where the Mosaic (Hopper) kernel runs; None elsewhere (the caller then uses
+    tree_matmul). Lets the next kernel fold the combine in (`rms_norm.add_rms_norm`)."""
+    dtype = _mm._check_operands(a, b)
+    if _mm.resolve_backend(backend) != "mosaic":
+        return None
+    from pallas_kernels import matmul_mosaic
+
+    if not matmul_mosaic.supports(a.shape[1], b.shape[1], dtype, tree=True):
+        return None
+    plan = tree_plan(a.shape[1], dtype)
+    return matmul_mosaic.tree_parts(a.astype(dtype), b.astype(dtype), num_leaves=plan.num_leaves)
+
+
 def tree_matmul_partial(
     a: jax.Array,
     b: jax.Array,

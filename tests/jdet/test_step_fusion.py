@@ -6,13 +6,17 @@ to the matmuls' CTA rows on Hopper:
   step instead of once per layer (`meta=`), and the attention's output rows padded for the next
   matmul (`out_rows=`);
 - the norm kernel reads layer l's weight out of the stacked [L, D] norm weights (`layer=`);
-- `Ops.row_pad`: the rows the residual stream carries (T elsewhere than Hopper).
+- `Ops.row_pad`: the rows the residual stream carries (T elsewhere than Hopper);
+- `Ops.residual_norm`: o_proj's tree combine, the residual add and the MLP norm in one kernel
+  (`rms_norm.add_rms_norm`) where the tree matmul runs on Hopper's Mosaic kernel.
 Each is checked bitwise against the plain call, on the Pallas kernels in interpret mode (the
 same kernels the GPU compiles) and, for the row padding, through the whole model. Negative
 controls show each comparison detects a one-ulp change.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +68,52 @@ def test_stacked_norm_weight_is_checked():
     x = jnp.zeros((2, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"w\[L, D\]"):
         rms_norm(x, jnp.zeros((8,), jnp.float32), layer=jnp.int32(0))
+
+
+# -- combine + residual add + RMSNorm in one kernel ----------------------------------------------
+def _add_norm_inputs(t: int, d: int, groups: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+    parts = jnp.asarray(0.5 * rng.standard_normal((groups, t, d)), jnp.float32)
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal((3, d)), jnp.bfloat16)
+    return x, parts, w
+
+
+def _add_norm_unfused(x, parts, w, layer: int):
+    """The three-step path: tree combine + cast (tree_matmul), residual add (XLA), norm."""
+    from pallas_kernels import rms_norm
+    from pallas_kernels.combine import combine_tree
+
+    r = x + combine_tree(list(parts)).astype(x.dtype)
+    return np.asarray(r), np.asarray(rms_norm(r, w, 1e-6, layer=jnp.int32(layer)))
+
+
+def _check_add_norm(t: int, d: int, groups: int) -> None:
+    from pallas_kernels.rms_norm import add_rms_norm
+
+    x, parts, w = _add_norm_inputs(t, d, groups)
+    for layer in (0, 2):
+        r, h = add_rms_norm(x, parts, w, 1e-6, layer=jnp.int32(layer))
+        want_r, want_h = _add_norm_unfused(x, parts, w, layer)
+        assert np.array_equal(np.asarray(r), want_r), (groups, layer)
+        assert np.array_equal(np.asarray(h), want_h), (groups, layer)
+    # control: the comparison sees a change of one part's element (by one bf16 step of x's scale)
+    p2 = parts.at[0, 0, 0].add(2.0 ** -6)
+    bumped = np.asarray(add_rms_norm(x, p2, w, 1e-6, layer=jnp.int32(0))[0])
+    assert not np.array_equal(bumped, _add_norm_unfused(x, parts, w, 0)[0])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_add_rms_norm_equals_combine_add_norm(interpret, groups):
+    _check_add_norm(5, 96, groups)  # 96: ragged lanes (block_d 128)
+
+
+def test_add_rms_norm_is_checked():
+    from pallas_kernels.rms_norm import add_rms_norm
+
+    x, parts, w = _add_norm_inputs(3, 8, 2)
+    with pytest.raises(ValueError, match=r"parts\[G, T, D\]"):
+        add_rms_norm(x, parts[:, :2], w, 1e-6, layer=jnp.int32(0))
 
 
 # -- paged attention with hoisted operands and padded output rows ----------------------------------
@@ -161,7 +211,8 @@ def test_padded_residual_stream_changes_no_bit():
 
 # -- compiled on the GPU ---------------------------------------------------------------------
 class _UnfusedOps(Ops):
-    """The step as it was: no hoisted attention operands, no padded residual stream."""
+    """The step as it was: no hoisted attention operands, no padded residual stream (and, with
+    fuse_residual_norm=False, o_proj's combine + residual add + norm as three steps)."""
 
     def attention_meta(self, batch, kv, q_heads):
         return None
@@ -201,10 +252,34 @@ def test_gpu_padded_step_equals_the_unfused_step(mode):
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params(cfg))
     ops = Plan(cfg, mode).ops()
     new = _model_logits(ops, cfg, params, jnp.bfloat16)
-    old = _model_logits(_UnfusedOps(mode, attn_partition=ops.attn_partition), cfg, params,
-                        jnp.bfloat16)  # fmt: skip
+    unfused = _UnfusedOps(mode, attn_partition=ops.attn_partition, fuse_residual_norm=False)
+    old = _model_logits(unfused, cfg, params, jnp.bfloat16)
     assert np.array_equal(new, old)
     layers = dict(params["layers"])  # control: a one-ulp change of a norm weight is seen
     layers["mlp_norm"] = jnp.asarray(_bump(np.asarray(layers["mlp_norm"])))
     bumped = _model_logits(ops, cfg, {**params, "layers": layers}, jnp.bfloat16)
     assert not np.array_equal(new, bumped)
+
+
+@pytest.mark.gpu
+def test_gpu_add_rms_norm_equals_combine_add_norm():
+    for groups in (1, 2, 8):
+        _check_add_norm(64, 4096, groups)
+
+
+@pytest.mark.gpu
+def test_gpu_residual_norm_fusion_changes_no_bit():
+    """The Llama-shaped step with and without the fused combine + add + norm (decode, T = 1
+    padded to 64 rows, and a 300-token prefill whose tree runs whole in registers: G = 1)."""
+    cfg = tiny_cfg(hidden_size=512, intermediate_size=1024, vocab_size=1024, num_layers=2)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params(cfg))
+    ops = Plan(cfg, "tp").ops()
+    assert ops.fuse_residual_norm
+    from pallas_kernels.tree_matmul import tree_matmul_parts
+
+    a = jnp.ones((64, 512), jnp.bfloat16)
+    assert tree_matmul_parts(a, params["layers"]["wo"][0]) is not None, "not the fused path"
+    new = _model_logits(ops, cfg, params, jnp.bfloat16)
+    old = _model_logits(dataclasses.replace(ops, fuse_residual_norm=False), cfg, params,
+                        jnp.bfloat16)  # fmt: skip
+    assert np.array_equal(new, old)
