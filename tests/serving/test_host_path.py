@@ -1,0 +1,66 @@
+"""The host side of a decode step (issue 11) changes no placement and no bit: host token ids go
+to the device as a committed array placed like the step's sampled tokens (one executable for
+both), and prepare_ahead's cached sampling rows are those of a fresh build."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.engine import Engine
+
+SETTINGS = dict(
+    invariance="tp", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, page_size=8,
+    num_pages=32, min_tokens_bucket=4, min_pages_bucket=8,
+)  # fmt: skip
+
+
+def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
+    r = Engine(serving_model, **SETTINGS).runner
+    x = np.arange(8, dtype=np.int32)
+    from jdet.batch import StepBatch
+
+    z = np.zeros(8, np.int32)
+    got = r.place_tokens(StepBatch(x, z, z, z, z, z.reshape(8, 1), z)).token_ids
+    want = jax.device_put(x, r.token_sharding)
+    assert np.array_equal(np.asarray(got), x)
+    assert got.sharding == want.sharding and got.committed and want.committed
+
+    f = jax.jit(lambda t: t * 3)
+    f(want)
+    f(got)
+    assert f._cache_size() == 1  # the step keyed on the placement: one executable for both
+    # Negative control: an uncommitted device array is another placement to jit: a second entry
+    f(jnp.asarray(x))
+    assert f._cache_size() == 2
+
+
+def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model):
+    """The rows prepare_ahead keeps belong to one plan; another plan (other sequences or order)
+    gets its own, each row that of its sequence."""
+    eng = Engine(serving_model, **SETTINGS)
+    params = [dict(temperature=0.5, top_k=3, top_p=0.9, seed=7),
+              dict(temperature=0.0), dict(temperature=1.3, top_p=0.5, seed=2)]  # fmt: skip
+    for i, p in enumerate(params):
+        eng.add_request(f"r{i}", [1, 2, 3], dict(p, max_tokens=4))
+    seqs = [eng.requests[f"r{i}"].seqs[0] for i in range(3)]
+    r = eng.runner
+
+    def rows(order):
+        plan = [(seqs[i], 1) for i in order]
+        return [np.asarray(a).copy() for a in r._ahead_rows(plan, 4)]
+
+    def expect(order):
+        o = [seqs[i].options for i in order]
+        pad = 4 - len(order)
+        return [np.asarray([x.temperature for x in o] + [0] * pad, np.float32),
+                np.asarray([x.top_k for x in o] + [0] * pad, np.int32),
+                np.asarray([x.top_p for x in o] + [1] * pad, np.float32),
+                np.asarray([seqs[i].seed for i in order] + [0] * pad, np.uint32)]  # fmt: skip
+
+    for order in ([0, 1, 2], [0, 1, 2], [2, 0], [1], [0, 1, 2]):
+        got, want = rows(order), expect(order)
+        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want))
+    # Negative control: the rows of one order are not those of another
+    assert not all(np.array_equal(g, w) for g, w in zip(rows([0, 1, 2]), expect([2, 1, 0])))
