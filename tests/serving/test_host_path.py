@@ -61,6 +61,8 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model):
 
     for order in ([0, 1, 2], [0, 1, 2], [2, 0], [1], [0, 1, 2]):
         got, want = rows(order), expect(order)
-        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and np.array_equal(g, w)
     # Negative control: the rows of one order are not those of another
-    assert not all(np.array_equal(g, w) for g, w in zip(rows([0, 1, 2]), expect([2, 1, 0])))
+    other = zip(rows([0, 1, 2]), expect([2, 1, 0]), strict=True)
+    assert not all(np.array_equal(g, w) for g, w in other)
