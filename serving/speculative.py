@@ -150,8 +150,9 @@ class Speculator:
         """Whether the step after `plan` may be dispatched before `plan`'s tokens reach the host
         (`Engine._dispatch_ahead`; a verify's successor depends on how many drafts it accepts,
         so `plan` must verify nothing): with adaptive K on, when every sequence of it decodes
-        without drafts next step anyway, because it has fallen back, or (n-gram) because the
-        lookup on its latest tokens on the host finds nothing. The latter lags one token (the
+        without drafts next step anyway, because it has fallen back, or (n-gram) because its
+        lookups ran dry (the last DRY found nothing, the one on its latest tokens on the host,
+        run here, included: serving/spec_adaptive.py). That lookup lags one token (the
         input of the step in flight is known, its output is not): a match that appears with
         that output is drafted one step later. min_alpha=0 (always draft) never goes ahead."""
         a = self.adaptive
