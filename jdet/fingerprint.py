@@ -17,6 +17,7 @@ import jax
 import jaxlib
 
 from jdet.plan import Plan
+from jdet.spec_config import ADAPTIVE_POLICY  # which steps verify (rejection mode's bits)
 from jdet.version import __version__
 
 
@@ -56,7 +57,7 @@ def fingerprint(model: Any, plan: Plan, *, page_size: int, speculative: Any = No
             "method": speculative.method, "num_tokens": speculative.num_tokens,
             "verify": speculative.verify, "ngram": [speculative.ngram_min, speculative.ngram_max],
             "draft_layers": speculative.draft_layers,
-            "adaptive": [speculative.min_alpha, speculative.probe_every],  # which steps verify
+            "adaptive": [speculative.min_alpha, speculative.probe_every, ADAPTIVE_POLICY],
             "draft": None if dm is None else getattr(dm, "weights_hash", str(dm)),
         }  # fmt: skip
     h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

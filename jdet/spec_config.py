@@ -14,6 +14,11 @@ VERIFY = ("exact", "rejection")
 # what this version runs (every combination); kept so a future method can be refused by name
 IMPLEMENTED = {(m, v) for m in METHODS for v in VERIFY}
 MAX_NUM_TOKENS = 16
+# Revision of the adaptive-K policy (serving/spec_adaptive.py). In rejection mode the policy
+# decides which positions are rejection-sampled, i.e. part of the bits, so the fingerprint
+# carries it: bump it whenever the policy changes which steps verify. 2: an n-gram lookup that
+# finds nothing is no longer a miss (session 6).
+ADAPTIVE_POLICY = 2
 
 
 @dataclasses.dataclass(frozen=True)

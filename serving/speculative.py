@@ -167,8 +167,10 @@ class Speculator:
 
     def _dry(self, seq: Sequence) -> bool:
         """n-gram: whether the lookup on `seq`'s tokens so far proposes nothing, as the last
-        DRY - 1 did (serving/spec_adaptive.py). A model draft always proposes."""
-        if self.model_draft is not None or self.adaptive is None:
+        DRY - 1 did (serving/spec_adaptive.py). A model draft always proposes. Exact mode only:
+        in rejection mode which positions verify is part of the bits, and this lookup's lag
+        would make them depend on async scheduling, which the fingerprint does not hold."""
+        if self.model_draft is not None or self.adaptive is None or self.rejection:
             return False
         c = self.config
         found = bool(ngram_draft(self._tokens(seq), 1, c.ngram_min, c.ngram_max))

@@ -198,6 +198,25 @@ def test_a_lookup_that_finds_nothing_is_not_a_miss_and_dry_steps_go_ahead():
     assert not fresh.can_run_ahead([(dry, 1)])  # one dry lookup is not yet a streak
     always = Speculator(SpeculativeConfig(min_alpha=0.0), max_model_len=4096)
     assert not always.can_run_ahead([(dry, 1)])  # min_alpha=0: the previous engine
+    rej = Speculator(SpeculativeConfig(verify="rejection"), max_model_len=4096)
+    for _ in range(2 * DRY):
+        rej.propose([dry])
+    assert rej.adaptive.dry(dry) and not rej.can_run_ahead([(dry, 1)])  # rejection: bits
+
+
+def test_rejection_fingerprint_holds_the_adaptive_policy_revision(serving_model, monkeypatch):
+    """In rejection mode the adaptive policy decides which positions are rejection-sampled:
+    another policy revision is another fingerprint; exact mode's stays plain decoding's."""
+    from jdet import fingerprint as fp
+    from jdet.plan import Plan
+
+    plan = Plan(serving_model.cfg, "tp", 1)
+    rej, exact = SpeculativeConfig(verify="rejection"), SpeculativeConfig()
+    before = fp.fingerprint(serving_model, plan, page_size=8, speculative=rej)
+    plain = fp.fingerprint(serving_model, plan, page_size=8)
+    monkeypatch.setattr(fp, "ADAPTIVE_POLICY", fp.ADAPTIVE_POLICY + 1)
+    assert fp.fingerprint(serving_model, plan, page_size=8, speculative=rej) != before
+    assert fp.fingerprint(serving_model, plan, page_size=8, speculative=exact) == plain
 
 
 def test_dry_requests_go_ahead_without_falling_back_and_keep_the_bits(serving_model, plain):
