@@ -91,7 +91,9 @@ class Ops:
     fused: bool = False
     untied: bool = False
     # Fold o_proj's tree combine, the residual add and the MLP's RMSNorm into one kernel
-    # (`residual_norm`; same bits). Only where the tree matmul runs on Hopper's Mosaic kernel.
+    # (`residual_norm`; same bits). Only where the tree matmul runs on Hopper's Mosaic kernel,
+    # and only without a cross-device combine: make_tp_ops sets it for one shard only (there
+    # `row_reduce` is the identity and is skipped).
     fuse_residual_norm: bool = True
 
     def __post_init__(self) -> None:
@@ -162,7 +164,7 @@ class Ops:
         In "tp" without TP sharding on Hopper, one kernel (`rms_norm.add_rms_norm`) does the
         tree matmul's combine, the add and the norm: one launch instead of two per layer, the
         same bits (the same f32 additions in the same order, the same roundings)."""
-        if self.invariance == "tp" and self.fuse_residual_norm and self.row_reduce is None:
+        if self.invariance == "tp" and self.fuse_residual_norm:
             from pallas_kernels.rms_norm import add_rms_norm
             from pallas_kernels.tree_matmul import tree_matmul_parts
 

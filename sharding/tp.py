@@ -64,6 +64,9 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
             return lax.psum(p, TP_AXIS)
 
     ops_kw.setdefault("pad_rows", num_shards == 1)  # Ops.pad_rows says why
+    # one shard: the cross-device combine is the identity, so o_proj's partial may be combined,
+    # added and normalised in one kernel (Ops.residual_norm); across shards it may not
+    ops_kw.setdefault("fuse_residual_norm", num_shards == 1)
     ops_kw.setdefault("fused", fuse_default())  # as prepare_params(fuse=None) lays them out
     ops_kw.setdefault("untied", True)  # pad_params always holds a padded lm_head
     return Ops(invariance=ops_mode, row_partial=row_partial, row_reduce=row_reduce, **ops_kw)
