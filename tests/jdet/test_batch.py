@@ -74,3 +74,17 @@ def test_decode_batch_refuses_what_build_batch_refuses():
         decode_batch([1, 2], [0, 0], [[3], [4]], 4, pad_tokens=1, pad_seqs=2, pad_pages=1)
     with pytest.raises(ValueError, match="one of each per sequence"):
         decode_batch([1], [0, 0], [[3], [4]], 4, pad_tokens=2, pad_seqs=2, pad_pages=1)
+    with pytest.raises(ValueError, match="decode position is -1"):
+        decode_batch([1], [-1], [[3]], 4, pad_tokens=1, pad_seqs=1, pad_pages=1)
+
+
+def test_decode_batch_fields_do_not_overlap():
+    """The fields share one buffer: writing one must leave every other unchanged."""
+    b = decode_batch([5, 6], [3, 9], [[1, 2], [3, 4, 5]], 4, pad_tokens=4, pad_seqs=3,
+                     pad_pages=3)  # fmt: skip
+    f = fields(b)
+    for k in f:
+        before = {j: v.copy() for j, v in f.items() if j != k}
+        f[k][...] = 12345
+        for j, v in before.items():
+            assert np.array_equal(f[j], v), (k, j)
