@@ -77,12 +77,43 @@ def pytest_configure(config):
             config.option.dist = "loadgroup"
 
 
+# Modules whose single (ungrouped) tests are long, longest first (CPU seconds per test, measured
+# at session 6: the README blocks, each notebook, test_llm_tp ~1-2 min; the others 20-60 s).
+LONG_SINGLE_TESTS_FIRST = (
+    "tests/test_readme.py",
+    "tests/test_notebooks.py",
+    "tests/sharding/test_llm_tp.py",
+    "tests/serving/test_spec_adaptive.py",
+    "tests/serving/test_compile.py",
+    "tests/serving/test_scoring.py",
+    "tests/jdet/test_golden.py",
+    "tests/jdet/test_parity.py",
+    "tests/jdet/test_checkpoint_roundtrip.py",
+    "tests/jdet/test_tokenizer.py",
+    "tests/jdet/test_cli.py",
+    "tests/serving/test_async.py",
+)
+
+
+def _long_first(items: list) -> None:
+    """On an xdist worker, collect `LONG_SINGLE_TESTS_FIRST`'s modules first (whole modules, in
+    that order; the rest keep theirs). Why: `--dist loadgroup` sends the xdist groups first
+    (most tests first), then every other test as its own unit in collection order, each worker
+    taking the next unit when it runs low. A long test sent last (the README's blocks and the
+    notebooks are collected last) leaves the other worker idle while it runs; sent early, the
+    short tests fill in at the end. Every worker sorts alike, as xdist requires."""
+    rank = {path: i for i, path in enumerate(LONG_SINGLE_TESTS_FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     skip_gpu = pytest.mark.skip(reason="needs a GPU (run on the device: -m gpu)")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # an xdist worker (the README's `-n 2`)
+        _long_first(items)
 
 
 def write_hf_checkpoint(path, arch: str, seed: int = 0, **overrides):
