@@ -1,7 +1,7 @@
 """Host work of one engine decode step (issue 11: engine step - device step <= 0.3 ms at batch 1).
 
-What it measures: steady greedy decode through `Engine.step` (async scheduling on, the default
-engine settings: "tp", page 16, the default token bucket), B requests of a 64-token prompt, the
+What it measures: steady greedy decode through `Engine.step` (async scheduling on, "tp", page
+16, the default smallest token bucket, a 64-token budget), B requests of a 64-token prompt, the
 median over --steps decode steps of
 - `step`: the whole `Engine.step` call;
 - each host phase inside it, timed with perf_counter around the engine's own methods:
@@ -102,11 +102,20 @@ class PhaseTimer:
         self.steps.append(row)
 
 
-def make_engine(model: Any, device: str, batch: int) -> Any:
+BUDGET = 64  # token budget: few step shapes to compile (T = 8/16 .. 64, one page bucket)
+MAX_LEN = 1024
+
+
+def make_engine(model: Any, device: str, max_batch: int) -> Any:
+    """One engine for every batch size of the run, with a KV pool just large enough (not the
+    GPU's free memory) and few shapes, so a GPU run compiles the real step only a few times."""
     from jdet import exec_cache
     from serving.engine import Engine
 
-    eng = Engine(model, max_num_seqs=max(8, batch), max_model_len=1024, async_scheduling="on")
+    pages = MAX_LEN // 16
+    eng = Engine(model, max_num_seqs=max(8, max_batch), max_num_batched_tokens=BUDGET,
+                 max_model_len=MAX_LEN, page_size=16, num_pages=max(8, max_batch) * pages + 8,
+                 min_pages_bucket=pages, async_scheduling="on")  # fmt: skip
     if device == "null":
         r = eng.runner
         d = tempfile.mkdtemp(prefix="jdet-host-bench-")
@@ -145,18 +154,18 @@ def run_once(eng: Any, timer: PhaseTimer, batch: int, steps: int, tag: str) -> d
     ahead0 = eng.num_steps_ahead
     while eng.has_unfinished():
         timer.step(eng)
-    rows = timer.steps[4 : 4 + steps]  # the prefill and the first decodes left out
+    skip = -(-batch * PROMPT_TOKENS // BUDGET) + 4  # the prefill and the first decodes
+    rows = timer.steps[skip : skip + steps]
     med = {k: statistics.median(r[k] for r in rows) * 1e6 for k in rows[0]}
     med["steps_ahead"] = eng.num_steps_ahead - ahead0
     med["steps"] = len(timer.steps)
     return med
 
 
-def bench(model: Any, device: str, batch: int, steps: int, repeats: int) -> dict:
-    eng = make_engine(model, device, batch)
-    timer = instrument(eng)
-    run_once(eng, timer, batch, 16, "warm")
-    runs = [run_once(eng, timer, batch, steps, f"r{k}") for k in range(repeats)]
+def bench(eng: Any, timer: PhaseTimer, batch: int, steps: int, repeats: int) -> dict:
+    device = "null" if "null_step" in getattr(eng.runner.step_fn, "name", "") else "real"
+    run_once(eng, timer, batch, 16, f"warm{batch}")
+    runs = [run_once(eng, timer, batch, steps, f"r{batch}-{k}") for k in range(repeats)]
     best = min(runs, key=lambda r: r["step"])
     return {"device": device, "batch": batch, "steps": steps, "repeats": repeats,
             "us": {k: round(v, 1) for k, v in best.items()},
@@ -194,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = jdet.load(a.model) if a.model else jdet.load()
     load0 = os.getloadavg()
-    rows = [bench(model, a.device, int(b), a.steps, a.repeats) for b in a.batches.split(",")]
+    batches = [int(b) for b in a.batches.split(",")]
+    eng = make_engine(model, a.device, max(batches))
+    timer = instrument(eng)
+    rows = [bench(eng, timer, b, a.steps, a.repeats) for b in batches]
     res = {"what": "Engine.step host phases, steady greedy decode, async scheduling",
            "backend": jax.default_backend(), "devices": str(jax.devices()[0]),
            "jax": jax.__version__, "model": a.shape or a.model or "embedded",
