@@ -10,9 +10,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# jdet's persistent compilation cache goes to a per-process temporary directory, never the
-# user's ~/.cache/jdet; jdet.LLM's start-up compile of every shape is off (tests that check it
-# turn it on), since interpreted kernels compile slowly on the CI's CPU.
+# jdet's persistent compilation cache goes to a temporary directory, never the user's
+# ~/.cache/jdet: one per pytest run, since subprocesses inherit it and so do xdist's workers (the
+# controller loads this file before it starts them; checked under -n 2: both workers named the
+# same directory), so a step shape one worker compiled is a cache hit for the other. jdet.LLM's
+# start-up compile of every shape is off (tests that check it turn it on), since compiles are
+# slow on the CI's CPU.
 if "JDET_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
