@@ -75,9 +75,12 @@ PROMPTS = ["Person:", "JSON:", "Data", "The answer is", "{", "Output:", "Here", 
 @pytest.fixture(scope="module")
 def llm():
     # "none" (plain XLA ops) keeps this CPU test fast; validity does not depend on the mode,
-    # and the invariance test below runs in the default "tp" mode.
-    return jdet.LLM(jdet.load(dtype="float32"), invariance="none", max_num_batched_tokens=256,
-                    max_num_seqs=32, max_model_len=256, page_size=16)  # fmt: skip
+    # and the invariance test below runs in the default "tp" mode. One step shape (T = S = 32,
+    # 16 pages), compiled once: with T and S free, the batch went through 4 step shapes as the
+    # 22 requests finished.
+    return jdet.LLM(jdet.load(dtype="float32"), invariance="none", max_num_batched_tokens=32,
+                    max_num_seqs=32, max_model_len=256, page_size=16, min_tokens_bucket=32,
+                    min_seqs_bucket=32, min_pages_bucket=16)  # fmt: skip
 
 
 def test_every_schema_gives_valid_json(llm):
