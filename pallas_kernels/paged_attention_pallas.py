@@ -194,11 +194,13 @@ def _paged_attention_pallas(
     tag = f"r{rows}_bk{bk}_ps{partition_size}"
     hb, hb_specs = [], []
     if stacked:
-        hb = [(jnp.asarray(layer, jnp.int32) * kh * num_pages).reshape(1)]
+        # the layer itself, not its page base: the base is computed in the kernel (on the host
+        # graph it was a scalar fusion, one more launch per layer)
+        hb = [jnp.asarray(layer, jnp.int32).reshape(1)]
         hb_specs = [pl.BlockSpec((1,), lambda *_: (0,))]
     if structure == "looped":
         out = pl.pallas_call(
-            _layered(functools.partial(_looped_kernel, plan=plan), stacked, num_pages),
+            _layered(functools.partial(_looped_kernel, plan=plan), stacked, num_pages, kh),
             grid=(nt, kh),
             in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
             out_specs=q_spec,
@@ -209,7 +211,7 @@ def _paged_attention_pallas(
         )(*hb, pt, lim, q_tiles, k_cache, v_cache)
     else:
         acc, m, lsum = pl.pallas_call(
-            _layered(functools.partial(_split_kernel, plan=plan), stacked, num_pages),
+            _layered(functools.partial(_split_kernel, plan=plan), stacked, num_pages, kh),
             grid=(nt, kh, num_parts),
             in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
             out_specs=[
@@ -266,14 +268,14 @@ class _PagePool:
         return self.ref[pages + self.off]
 
 
-def _layered(kernel, stacked: bool, num_pages: int):
-    """With a stacked cache, prepend the layer's page base and hand the kernel its head's pool
-    (layer*K + k) * P ... + P - 1 of the flattened [L*K*P, B, E] cache."""
+def _layered(kernel, stacked: bool, num_pages: int, kv_heads: int):
+    """With a stacked cache, take the layer as the first operand and hand the kernel its head's
+    pool (layer*K + k) * P ... + P - 1 of the flattened [L*K*P, B, E] cache."""
     if not stacked:
         return kernel
 
-    def wrapped(hb_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, *outs):
-        off = hb_ref[0] + pl.program_id(1) * num_pages
+    def wrapped(layer_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, *outs):
+        off = (layer_ref[0] * kv_heads + pl.program_id(1)) * num_pages
         return kernel(pt_ref, lim_ref, q_ref, _PagePool(k_ref, off), _PagePool(v_ref, off), *outs)
 
     return wrapped
