@@ -1,8 +1,8 @@
 """Host work of one engine decode step (issue 11: engine step - device step <= 0.3 ms at batch 1).
 
-What it measures: steady greedy decode through `Engine.step` (async scheduling on, "tp", page
-16, the default smallest token bucket, a 64-token budget), B requests of a 64-token prompt, the
-median over --steps decode steps of
+What it measures: steady greedy decode through `Engine.step` (async scheduling on unless
+--async-scheduling off, "tp", page 16, the default smallest token bucket, a 64-token budget),
+B requests of a 64-token prompt, the median over --steps decode steps of
 - `step`: the whole `Engine.step` call;
 - each host phase inside it, timed with perf_counter around the engine's own methods:
   `schedule` (scheduler), `prepare` (a step built from the host's tokens), `ahead` (the next
@@ -24,7 +24,8 @@ executable cache (its own directory in a temporary folder), so it can never be l
 step.
 
     python -m benchmarks.host_bench [--device null|real] [--batches 1,8] [--steps 300]
-        [--repeats 3] [--shape qwen3-0.6b | --model DIR] [--out host_bench.json]
+        [--async-scheduling on|off] [--repeats 3] [--shape qwen3-0.6b | --model DIR]
+        [--out host_bench.json]
 
 On a CPU a step is noisy under load: each figure is the best of --repeats runs of the median,
 and the JSON records the load average before and after.
@@ -106,7 +107,7 @@ BUDGET = 64  # token budget: few step shapes to compile (T = 8/16 .. 64, one pag
 MAX_LEN = 1024
 
 
-def make_engine(model: Any, device: str, max_batch: int) -> Any:
+def make_engine(model: Any, device: str, max_batch: int, async_scheduling: str = "on") -> Any:
     """One engine for every batch size of the run, with a KV pool just large enough (not the
     GPU's free memory) and few shapes, so a GPU run compiles the real step only a few times."""
     from jdet import exec_cache
@@ -115,7 +116,7 @@ def make_engine(model: Any, device: str, max_batch: int) -> Any:
     pages = MAX_LEN // 16
     eng = Engine(model, max_num_seqs=max(8, max_batch), max_num_batched_tokens=BUDGET,
                  max_model_len=MAX_LEN, page_size=16, num_pages=max(8, max_batch) * pages + 8,
-                 min_pages_bucket=pages, async_scheduling="on")  # fmt: skip
+                 min_pages_bucket=pages, async_scheduling=async_scheduling)  # fmt: skip
     if device == "null":
         r = eng.runner
         d = tempfile.mkdtemp(prefix="jdet-host-bench-")
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="null", choices=("null", "real"))
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--async-scheduling", default="on", choices=("on", "off"),
+                   help="off: the synchronous engine (a CPU's default), every step built from "
+                   "the host's tokens")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None, help="a model directory (default: the embedded one)")
@@ -204,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         model = jdet.load(a.model) if a.model else jdet.load()
     load0 = os.getloadavg()
     batches = [int(b) for b in a.batches.split(",")]
-    eng = make_engine(model, a.device, max(batches))
+    eng = make_engine(model, a.device, max(batches), a.async_scheduling)
     timer = instrument(eng)
     rows = [bench(eng, timer, b, a.steps, a.repeats) for b in batches]
-    res = {"what": "Engine.step host phases, steady greedy decode, async scheduling",
+    res = {"what": "Engine.step host phases, steady greedy decode",
+           "async_scheduling": a.async_scheduling,
            "backend": jax.default_backend(), "devices": str(jax.devices()[0]),
            "jax": jax.__version__, "model": a.shape or a.model or "embedded",
            "loadavg_before": load0, "loadavg_after": os.getloadavg(), "rows": rows}  # fmt: skip

@@ -152,6 +152,10 @@ class ModelRunner:
         R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
         Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
+        if T == len(plan) and sum(R) == T:  # one token, one sampled row each: a decode step
+            fast = self._prepare_decode(plan, Tp, Sp, Pp)
+            if fast is not None:
+                return fast
         items = [(step_tokens(s, n), s.num_computed_tokens, s.page_table) for s, n in plan]
         batch, _ = build_batch(items, self.page_size, logits=R, pad_tokens=Tp, pad_seqs=Sp,
                                pad_pages=Pp, pad_rows=Sp)  # fmt: skip
@@ -174,6 +178,29 @@ class ModelRunner:
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
             logits=self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row),
+        )  # fmt: skip
+        return batch, sampling
+
+    def _prepare_decode(self, plan: list[tuple[Sequence, int]], Tp: int, Sp: int, Pp: int) -> Any:
+        """`prepare` of a step that feeds each sequence one token and samples its row (the
+        synchronous engine's every decode step): `decode_batch`'s layout, which is
+        `build_batch`'s (tests/jdet/test_batch.py), and the plan's kept sampling rows; None
+        (the general path) when a row needs LogitsInputs."""
+        from jdet.batch import decode_batch
+        from jdet.step import SamplingInputs
+
+        rows = self._ahead_rows(plan, Sp)
+        if rows is None:
+            return None
+        batch = decode_batch([s.token_ids[s.num_computed_tokens] for s, _ in plan],
+                             [s.num_computed_tokens for s, _ in plan],
+                             [s.page_table for s, _ in plan], self.page_size,
+                             pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
+        temp, top_k, top_p, seed = rows
+        sampling = SamplingInputs(
+            temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
+            position=batch.context_lens.copy(),  # the sampled token's position: last + 1
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
         )  # fmt: skip
         return batch, sampling
 
@@ -253,18 +280,13 @@ class ModelRunner:
         key = (Sp, tuple(s.seq_id for s, _ in plan))
         if self._ahead_key == key:
             return self._ahead_val
-        val = None
-        if not any(s.options.needs_logits_inputs for s, _ in plan):
-            S, opts = len(plan), [s.options for s, _ in plan]
-            temp = np.zeros(Sp, np.float32)
-            top_k = np.zeros(Sp, np.int32)
-            top_p = np.ones(Sp, np.float32)
-            seed = np.zeros(Sp, np.uint32)
-            temp[:S] = [o.temperature for o in opts]
-            top_k[:S] = [o.top_k for o in opts]
-            top_p[:S] = [o.top_p for o in opts]
-            seed[:S] = [s.seed for s, _ in plan]
-            val = (temp, top_k, top_p, seed)
+        val, S, opts = None, len(plan), [s.options for s, _ in plan]
+        if not any(o.needs_logits_inputs for o in opts):
+            pad = [0] * (Sp - S)
+            val = (np.array([o.temperature for o in opts] + pad, np.float32),
+                   np.array([o.top_k for o in opts] + pad, np.int32),
+                   np.array([o.top_p for o in opts] + [1] * (Sp - S), np.float32),
+                   np.array([s.seed for s, _ in plan] + pad, np.uint32))  # fmt: skip
         self._ahead_key, self._ahead_val = key, val
         return val
 

@@ -66,3 +66,56 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model):
     # Negative control: the rows of one order are not those of another
     other = zip(rows([0, 1, 2]), expect([2, 1, 0]), strict=True)
     assert not all(np.array_equal(g, w) for g, w in other)
+
+
+def _generate(model, monkeypatch, decode_path) -> dict:
+    """Outputs of a mixed request set through the synchronous engine, with `decode_path`
+    standing in for ModelRunner._prepare_decode (None: the general build_batch path)."""
+    from serving.model_runner import ModelRunner
+
+    if decode_path is not None:
+        monkeypatch.setattr(ModelRunner, "_prepare_decode", decode_path)
+    eng = Engine(model, **SETTINGS, async_scheduling="off")
+    rng = np.random.default_rng(3)
+    reqs = [dict(temperature=0.0, max_tokens=9, logprobs=2),
+            dict(temperature=0.9, seed=4, max_tokens=12, n=2),
+            dict(temperature=0.7, top_k=5, top_p=0.8, seed=1, max_tokens=10, ignore_eos=True),
+            dict(temperature=1.0, seed=8, max_tokens=7, presence_penalty=0.5)]  # fmt: skip
+    for i, p in enumerate(reqs):
+        eng.add_request(f"r{i}", rng.integers(1, model.cfg.vocab_size, 5 + 3 * i).tolist(), p)
+    out = {}
+    for o in eng.run():
+        for c in o.outputs:
+            lp = np.asarray(c.logprobs, np.float32).tobytes()
+            out[(o.request_id, c.index)] = (list(c.token_ids), lp, c.top_logprobs)
+    monkeypatch.undo()
+    return out
+
+
+def test_decode_fast_path_gives_the_general_paths_bits(serving_model, monkeypatch):
+    """The synchronous engine's decode steps (decode_batch + the plan's kept sampling rows) give
+    the bits of build_batch's general path: tokens, log-probs, top log-probs, greedy and seeded,
+    top-k/top-p, n > 1, and a penalised row (which takes the general path itself)."""
+    from serving.model_runner import ModelRunner
+
+    real = ModelRunner._prepare_decode
+    calls = []
+
+    def counted(self, *a):
+        got = real(self, *a)
+        calls.append(got is not None)
+        return got
+
+    fast = _generate(serving_model, monkeypatch, counted)
+    assert sum(calls) > 5 and not all(calls)  # fast decode steps, and the penalised row's
+    general = _generate(serving_model, monkeypatch, lambda self, *a: None)
+    assert fast == general
+
+    # Negative control: a fast path whose sampled position is one off changes seeded rows
+    def off_by_one(self, *a):
+        got = real(self, *a)
+        if got is not None:
+            got[1].position = got[1].position + 1
+        return got
+
+    assert _generate(serving_model, monkeypatch, off_by_one) != general
