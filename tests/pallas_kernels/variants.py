@@ -37,8 +37,10 @@ def chunked_sum_by_rows(x: jax.Array) -> jax.Array:
     v = x.shape[-1]
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -v % 64)])
     chunks = jnp.sum(x.reshape(*x.shape[:-1], -1, 64), axis=-1)
-    return functools.reduce(lambda s, i: s + chunks[..., i], range(1, chunks.shape[-1]),
-                            chunks[..., 0])  # fmt: skip
+    # left to right as a scan: a Python chain of V/64 adds (2374 at V = 152k) took the GPU
+    # control 226 s to compile
+    rest = jnp.moveaxis(chunks[..., 1:], -1, 0)
+    return jax.lax.scan(lambda s, c: (s + c, None), chunks[..., 0], rest)[0]
 
 
 def first_row_changes(f, x: jax.Array, sizes) -> list[int]:
