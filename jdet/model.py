@@ -137,10 +137,14 @@ def hidden_states(
     norms = {n: layers.pop(n) for n in (NORMS if cfg.qk_norm else NORMS[:2])}
     L = jax.tree_util.tree_leaves(layers)[0].shape[0]
     meta = ops.attention_meta(batch, kv, _q_heads(layers, kv, cfg, ops))
+    # Weights that read their layer in place (the CPU's blocked weights, pallas_kernels/
+    # xla_blocked.py) stay out of the scan's xs too: XLA CPU copies each scanned slice.
+    in_place = {k: layers.pop(k) for k in list(layers) if hasattr(layers[k], "at_layer")}
 
     def body(carry: tuple, xs: tuple) -> tuple:
         x, kv = carry
         lp, layer = xs
+        lp = {**lp, **{k: w.at_layer(layer) for k, w in in_place.items()}}
         x, kv = layer_forward(lp, x, kv, layer, batch, cos, sin, cfg, ops, norms, meta)
         return (x, kv), None
 

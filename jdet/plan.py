@@ -230,8 +230,10 @@ def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
     copies of 16-bit weights (`_platform.matmul_weight_dtype`), made once here instead of by XLA
     in every step, and with `blocked` ("tp" mode on one device) cut into the blocks of their
     fixed-shape dots (`xla_fixed.BlockedWeight`: BIO blocks for the column weights, the tree's
-    leaves for o_proj/down_proj), so no step copies a weight. Same dots, same bits as the
-    unblocked f32 weights, which every TP size > 1 runs. Unchanged on a GPU."""
+    leaves for o_proj/down_proj), so no step copies a weight; blocked bf16 weights are held as
+    their bits and widened to f32 in the step, a group of blocks at a time (half the bytes read;
+    pallas_kernels/xla_blocked.py). Same dots, same bits as the unblocked f32 weights, which
+    every TP size > 1 runs. Unchanged on a GPU."""
     from pallas_kernels import _platform
 
     blocked = blocked and _platform.xla_fixed_default()
@@ -244,17 +246,19 @@ def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
             return w
         if not isinstance(w, jax.core.Tracer):  # on the host: no XLA compile per weight
             w = np.asarray(w)
-        w = w.astype(dtype)
         if not blocked:
-            return w
+            return w.astype(dtype)
         from pallas_kernels.tree_matmul import tree_plan
         from pallas_kernels.xla_fixed import block_weight
 
+        # bf16 blocks are held as their bits and widened to `dtype` in the step (xla_blocked)
+        compute = dtype if w.dtype == jnp.bfloat16 and dtype == jnp.float32 else None
+        w = w if compute is not None else w.astype(dtype)
         k = w.shape[-2]
-        if name in ROW_PARALLEL:  # the activations (bf16/f16/f32) promote to w's dtype
+        if name in ROW_PARALLEL:  # the activations (bf16/f16/f32) promote to `dtype`
             tree = tree_plan(k, dtype)
-            return block_weight(w, num_leaves=tree.num_leaves, leaf_k=tree.leaf_k)
-        return block_weight(w, num_leaves=1, leaf_k=k)
+            return block_weight(w, num_leaves=tree.num_leaves, leaf_k=tree.leaf_k, compute=compute)
+        return block_weight(w, num_leaves=1, leaf_k=k, compute=compute)
 
     out = {k: conv(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {k: conv(k, v) for k, v in params["layers"].items()}

@@ -52,15 +52,15 @@ Reduction plans (each a function of model shapes only):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from pallas_kernels import xla_blocked
 from pallas_kernels._platform import as_float, kv_compute_dtype
+from pallas_kernels.xla_blocked import BlockedWeight, blocked_products
 
 # Rows of every matmul dot. Fixed: it is part of the plan (changing it may change bits).
 BM = 8
@@ -103,72 +103,19 @@ def _combine_pairwise(parts: list[jax.Array]) -> jax.Array:
     return level[0]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["k", "n"])
-@dataclasses.dataclass(frozen=True)
-class BlockedWeight:
-    """A matmul weight b[K, N] held in the layout of its fixed-shape dots: blocks
-    [..., num_leaves, nb, leaf_k, BN] (K zero-padded to num_leaves * leaf_k, N to nb * BN),
-    block [i, j] = b[i*leaf_k:(i+1)*leaf_k, j*BN:(j+1)*BN]. Leading axes (a stacked layer axis)
-    are allowed; `lax.scan` slices them like any leaf.
-
-    Why: `tree_subtree` cuts every weight into these blocks; done in the step, that is a copy of
-    every weight in every layer of every step (measured: about half of the embedded model's CPU
-    decode step once the weights are f32). Made once (`block_weight`, jdet/plan.py
-    `matmul_weights`), the dots read the blocks in place. The dots and their order are the same,
-    so the bits are those of the unblocked weight (tests/pallas_kernels/test_xla_fixed.py).
-    It answers `shape`, `ndim` and `dtype` as the [.., K, N] weight, so the kernels' entry points
-    check it like one; only the xla_fixed kernels can compute with it."""
-
-    blocks: jax.Array
-    k: int
-    n: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.blocks.shape[:-4], self.k, self.n)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.blocks.dtype
-
-    @property
-    def leaves(self) -> tuple[int, int]:
-        """(num_leaves, leaf_k) of the tree the blocks were cut for."""
-        return self.blocks.shape[-4], self.blocks.shape[-2]
+def block_weight(w, *, num_leaves: int, leaf_k: int, compute=None) -> BlockedWeight:
+    """w[..., K, N] as the blocks of `tree_subtree(leaf_k=leaf_k, num_leaves=num_leaves)`'s dots
+    (`xla_blocked.block_weight` with this plan's BN; num_leaves=1, leaf_k=K: the BIO matmul's)."""
+    return xla_blocked.block_weight(
+        w, num_leaves=num_leaves, leaf_k=leaf_k, bn=BN, compute=compute
+    )
 
 
-def block_weight(w, *, num_leaves: int, leaf_k: int) -> BlockedWeight:
-    """w[..., K, N] cut into the blocks `tree_subtree(leaf_k=leaf_k, num_leaves=num_leaves)`
-    reads (num_leaves=1, leaf_k=K: the BIO matmul's). A numpy `w` is cut by numpy (no XLA
-    compile per weight while an engine starts); a jax array (or tracer) by jnp."""
-    *lead, k, n = w.shape
-    if num_leaves * leaf_k < k:
-        raise ValueError(f"{num_leaves} leaves of {leaf_k} cannot hold K={k}")
-    xp = np if isinstance(w, np.ndarray) else jnp
-    nb = -(-n // BN)
-    widths = [(0, 0)] * len(lead) + [(0, num_leaves * leaf_k - k), (0, nb * BN - n)]
-    w = xp.pad(w, widths).reshape(*lead, num_leaves, leaf_k, nb, BN)
-    return BlockedWeight(xp.swapaxes(w, -3, -2), k, n)
-
-
-def _blocks(b: jax.Array | BlockedWeight, dtype, leaf_k: int, num_leaves: int):
-    """b's [leaf, n block, leaf_k, BN] blocks of `dtype` and its N: cut here, or made once."""
-    if isinstance(b, BlockedWeight):
-        if b.leaves != (num_leaves, leaf_k) or b.blocks.ndim != 4:
-            raise ValueError(
-                f"a weight blocked as {b.leaves[0]} leaves of {b.leaves[1]} (blocks "
-                f"{b.blocks.shape}) cannot run a plan of {num_leaves} leaves of {leaf_k}; block "
-                f"it for this plan (jdet/plan.py matmul_weights) or pass the [K, N] array"
-            )
-        return b.blocks.astype(dtype), b.n
-    n = b.shape[1]
-    nb = -(-n // BN)
+def _cut(b: jax.Array, dtype, leaf_k: int, num_leaves: int) -> jax.Array:
+    """b[K, N]'s [leaf, n block, leaf_k, BN] blocks of `dtype`, cut in the step."""
+    nb = -(-b.shape[1] // BN)
     b = _pad_axis(_pad_axis(b.astype(dtype), 0, num_leaves * leaf_k), 1, nb * BN)
-    return b.reshape(num_leaves, leaf_k, nb, BN).transpose(0, 2, 1, 3), n
+    return b.reshape(num_leaves, leaf_k, nb, BN).transpose(0, 2, 1, 3)
 
 
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
@@ -181,28 +128,34 @@ def tree_subtree(
     (`BlockedWeight`, cut for this very plan): the same dots on the same blocks."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
     a = a.astype(dtype)
-    # b as [leaf, n block, leaf_k, BN]; a as [m block, leaf, BM, leaf_k].
-    b4, n = _blocks(b, dtype, leaf_k, num_leaves)
     m = a.shape[0]
-    kp = num_leaves * leaf_k
     mp = -(-max(m, 1) // BM) * BM
-    nb = b4.shape[1]
-    np_ = nb * BN
-    a = _pad_axis(_pad_axis(a, 1, kp), 0, mp)
-    a4 = a.reshape(mp // BM, BM, num_leaves, leaf_k).transpose(0, 2, 1, 3)
+    a = _pad_axis(_pad_axis(a, 1, num_leaves * leaf_k), 0, mp)
+    a4 = a.reshape(mp // BM, BM, num_leaves, leaf_k).transpose(0, 2, 1, 3)  # [m block, leaf, ..]
     precision = lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize > 2 else None
     dims = (((3,), (2,)), ((0, 1), (0, 1)))  # batch (leaf, n block); contract leaf_k
 
-    def block(x: jax.Array) -> jax.Array:  # x [leaf, BM, leaf_k] -> [BM, Np] f32
-        xb = jnp.broadcast_to(x[:, None], (num_leaves, nb, BM, leaf_k))
-        parts = lax.dot_general(
-            xb, b4, dims, precision=precision, preferred_element_type=jnp.float32
-        )  # [leaf, nb, BM, BN]
-        acc = _combine_pairwise([parts[i] for i in range(num_leaves)])
-        return acc.transpose(1, 0, 2).reshape(BM, np_)
+    def products(w4: jax.Array) -> jax.Array:  # [leaf, g, leaf_k, BN] -> [m blocks, BM, g*BN]
+        g = w4.shape[1]
 
-    out = lax.map(block, a4)  # [m blocks, BM, Np]
-    return out.reshape(mp, np_)[:m, :n].astype(out_dtype)
+        def block(x: jax.Array) -> jax.Array:  # x [leaf, BM, leaf_k] -> [BM, g*BN] f32
+            xb = jnp.broadcast_to(x[:, None], (num_leaves, g, BM, leaf_k))
+            parts = lax.dot_general(
+                xb, w4, dims, precision=precision, preferred_element_type=jnp.float32
+            )  # [leaf, g, BM, BN]
+            acc = _combine_pairwise([parts[i] for i in range(num_leaves)])
+            return acc.transpose(1, 0, 2).reshape(BM, g * BN)
+
+        return lax.map(block, a4)
+
+    if isinstance(b, BlockedWeight):  # made once: in groups, read in place (xla_blocked)
+        n = b.n
+        out, nb = blocked_products(products, b, dtype, leaf_k=leaf_k, num_leaves=num_leaves)
+    else:
+        n = b.shape[1]
+        b4 = _cut(b, dtype, leaf_k, num_leaves)
+        out, nb = products(b4), b4.shape[1]
+    return out.reshape(mp, nb * BN)[:m, :n].astype(out_dtype)
 
 
 def matmul(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:

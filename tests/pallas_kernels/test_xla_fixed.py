@@ -309,3 +309,54 @@ def test_a_weight_blocked_for_another_plan_is_refused_by_name():
     bio = block_weight(w, num_leaves=1, leaf_k=512)
     with pytest.raises(ValueError, match="blocked as 1 leaves of 512"):
         tree_matmul(_rand(11, (8, 512), jnp.float32), bio, **XLA)
+
+
+def _in_place(mm):
+    """mm of x with layer `layer` of stacked blocked weights, read in place (a traced index)."""
+    return jax.jit(lambda x, held, layer: mm(x, held.at_layer(layer), jnp.float32))
+
+
+def test_bf16_weights_held_as_bits_in_groups_read_in_place_give_the_f32_blocks_bits():
+    """jdet/plan.py holds blocked bf16 weights as their bits (uint16), widened to f32 a group of
+    n blocks at a time, a stacked layer read in place (`at_layer`, a traced index): the dots must
+    be exactly those of the f32 weight, for BIO (N = 1000: 8 blocks, 4 groups, the last one
+    zero-padded) and tree plans (8 leaves, one block per group), and an LM-head-wide weight."""
+    from pallas_kernels import xla_blocked
+    from pallas_kernels.tree_matmul import tree_plan
+    from pallas_kernels.xla_fixed import block_weight
+
+    a = _rand(12, (37, 1024), jnp.bfloat16)
+    for k, n, kind in ((256, 1000, "bio"), (1024, 256, "tree"), (256, 8192, "bio")):
+        w = np.asarray(_rand(13 + k, (3, k, n), jnp.bfloat16, 0.1))  # 3 stacked layers
+        plan = tree_plan(k, jnp.float32)
+        leaves = (plan.num_leaves, plan.leaf_k) if kind == "tree" else (1, k)
+        held = block_weight(w, num_leaves=leaves[0], leaf_k=leaves[1], compute=jnp.float32)
+        assert held.blocks.dtype == jnp.uint16 and held.dtype == jnp.float32
+        assert held.shape == (3, k, n) and held.at_layer(jnp.int32(1)).shape == (k, n)
+        nb = held.blocks.shape[-3]
+        assert xla_blocked.group_size(nb, leaves[0] * leaves[1] * 128 * 4) < nb  # grouped
+        mm = MM[kind]
+        layer_in_place = _in_place(mm)
+        for layer in (0, 2):
+            f32 = np.asarray(w[layer], np.float32)
+            for m in (1, 8, 37):
+                want = np.asarray(mm(a[:m, :k], f32, jnp.float32))
+                got = layer_in_place(a[:m, :k], held, jnp.int32(layer))
+                assert np.array_equal(np.asarray(got), want), (kind, k, n, layer, m)
+        # control: the groups assembled out of order (n blocks rotated by one) are other
+        # columns, which the comparison sees
+        rolled = xla_blocked.BlockedWeight(jnp.roll(held.blocks, 1, axis=-3), k, n, "float32")
+        got = layer_in_place(a[:8, :k], rolled, jnp.int32(2))
+        assert not np.array_equal(np.asarray(got), np.asarray(mm(a[:8, :k], w[2], jnp.float32)))
+
+
+def test_only_bf16_weights_are_held_as_bits_and_at_layer_needs_stacked_blocks():
+    from pallas_kernels.xla_fixed import block_weight
+
+    w16 = np.asarray(_rand(14, (256, 128), jnp.float16))
+    with pytest.raises(ValueError, match="only bf16 weights are held as their bits"):
+        block_weight(w16, num_leaves=1, leaf_k=256, compute=jnp.float32)
+    one = block_weight(np.asarray(_rand(15, (256, 128), jnp.bfloat16)), num_leaves=1,
+                       leaf_k=256, compute=jnp.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="at_layer needs stacked blocks"):
+        one.at_layer(jnp.int32(0))
