@@ -87,7 +87,6 @@ LONG_SINGLE_TESTS_FIRST = (
     "tests/test_notebooks.py",
     "tests/sharding/test_llm_tp.py",
     "tests/serving/test_spec_adaptive.py",
-    "tests/serving/test_compile.py",
     "tests/serving/test_scoring.py",
     "tests/jdet/test_golden.py",
     "tests/jdet/test_parity.py",

@@ -22,6 +22,13 @@ import pytest
 import jdet
 from jdet import compile_cache
 
+# One xdist worker for the whole module (tests/conftest.py: --dist loadgroup): the warm-up tests
+# compile the same step shapes (SETTINGS, 10 pages), which the server test then finds compiled
+# in its process (serial, CPU s at load ~9: 47 for the first warm-up test, 1.3 for the server
+# test after it; alone on a worker it builds them itself: compiles, or loads from the run's
+# shared compile cache if the other worker got there first).
+pytestmark = pytest.mark.xdist_group("compile")
+
 ROOT = Path(__file__).resolve().parents[2]
 MODE = "tp"  # the default mode, on the sharded runtime
 # A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
