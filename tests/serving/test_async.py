@@ -56,7 +56,7 @@ def run(eng: Engine, reqs) -> dict:
 
 
 def test_async_scheduling_gives_the_synchronous_bits(serving_model, monkeypatch):
-    sync = Engine(serving_model, **SETTINGS)
+    sync = Engine(serving_model, **SETTINGS, async_scheduling=False)
     eng = Engine(serving_model, **SETTINGS, async_scheduling=True)
     eng.warmup()
     reqs = requests(serving_model.cfg.vocab_size)
@@ -86,15 +86,17 @@ def test_async_scheduling_gives_the_synchronous_bits(serving_model, monkeypatch)
 
 
 def test_async_scheduling_setting_resolves_by_backend(monkeypatch):
-    """'auto' (the default) dispatches ahead on a GPU only; 'on'/'off' and bools force it; any
-    other value is refused by name."""
+    """'auto' (the default) dispatches ahead on a GPU and a CPU (not on a TPU: not measured);
+    'on'/'off' and bools force it; any other value is refused by name."""
     from jdet.settings import resolve_async
     from pallas_kernels import _platform
 
-    assert resolve_async("auto") is False  # this CPU
+    assert resolve_async("auto") is True  # this CPU
     assert resolve_async("on") is True and resolve_async(True) is True
     assert resolve_async("off") is False and resolve_async(False) is False
     monkeypatch.setattr(_platform, "platform", lambda: "gpu")
     assert resolve_async("auto") is True
+    monkeypatch.setattr(_platform, "platform", lambda: "tpu")
+    assert resolve_async("auto") is False
     with pytest.raises(ValueError, match="async_scheduling"):
         resolve_async("sometimes")
