@@ -20,7 +20,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from serving.page_manager import cdiv
-from serving.placement import InputPlacer
 from serving.sequence import Sequence
 from serving.shapes import ShapeSet
 
@@ -101,7 +100,6 @@ class ModelRunner:
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
-        self._placer = InputPlacer(self.token_sharding, self.place_tokens)
         from serving.logits_rows import LogitsRows
 
         # per-request logits transforms and structured output (serving/logits_rows.py)
@@ -346,8 +344,8 @@ class ModelRunner:
                     break
                 t0 = time.perf_counter()
                 batch, extra = self.warmup_batch(shape, kind)
-                if kind == "step":  # placed as dispatch places them: the same executable
-                    batch, extra = self.place_inputs(batch, extra)
+                if kind == "step":
+                    batch = self.place_tokens(batch)
                 exec_cache.prepare(fn, self.params, self.kv, batch, extra)  # load, or compile
                 if kind == "step":
                     out = self.dispatch(batch, extra)
@@ -375,14 +373,8 @@ class ModelRunner:
         Host token ids go to the device placed like a step's sampled tokens, which an ahead
         step (`prepare_ahead`) takes as its input: one placement, so one executable per shape
         whichever way the tokens came (a host array and a device array would be two)."""
-        batch, sampling = self.place_inputs(batch, sampling)
-        self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
+        self.kv, out = self.step_fn(self.params, self.kv, self.place_tokens(batch), sampling)
         return out
-
-    def place_inputs(self, batch: Any, sampling: Any) -> tuple[Any, Any]:
-        """(batch, sampling) with every host array on the device in one transfer, placed like
-        a step's sampled tokens (serving/placement.py says why)."""
-        return self._placer.inputs(batch, sampling)
 
     def place_tokens(self, batch: Any) -> Any:
         """`batch` with host token ids on the device, placed like a step's sampled tokens.
@@ -403,4 +395,3 @@ class ModelRunner:
         for a in arrays:
             a.copy_to_host_async()
         return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}
-

@@ -151,14 +151,7 @@ class RejectionStep:
         if not isinstance(sampling, SpecSampling):
             S = sampling.temperature.shape[0]
             q = np.zeros((S, self.V), np.float32) if self.with_q else None
-            draft = np.full(S, -1, np.int32)
-            where = getattr(sampling.temperature, "sharding", None)
-            if where is not None:  # placed like the rest (ModelRunner.place_inputs): a verify
-                # step's SpecSampling arrives placed whole, and jit keys on placement
-                import jax
-
-                draft, q = jax.device_put((draft, q), where)
-            sampling = SpecSampling(sampling, draft, q)
+            sampling = SpecSampling(sampling, np.full(S, -1, np.int32), q)
         return self.fn(params, kv, batch, sampling)
 
 

@@ -4,8 +4,6 @@ both), and prepare_ahead's cached sampling rows are those of a fresh build."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,47 +34,6 @@ def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
     # Negative control: an uncommitted device array is another placement to jit: a second entry
     f(jnp.asarray(x))
     assert f._cache_size() == 2
-
-
-def test_placed_inputs_are_the_host_arrays_in_one_placement(serving_model):
-    """place_inputs moves every host array of a step in one transfer: each comes back bitwise
-    (ints, floats incl. -0.0 and NaN, uint32 seeds), committed with the tokens' placement; device
-    leaves are kept as they are; one executable serves them and device_put arrays alike."""
-    from jdet.batch import StepBatch
-    from jdet.step import SamplingInputs
-
-    r = Engine(serving_model, **SETTINGS).runner
-    rng = np.random.default_rng(0)
-    ints = [rng.integers(-5, 99, 8).astype(np.int32) for _ in range(5)]
-    table = rng.integers(0, 9, (4, 3)).astype(np.int32)
-    temp = np.array([0.0, -0.0, 0.7, np.nan], np.float32)
-    seed = np.array([0, 1, 2**32 - 1, 7], np.uint32)
-    dev_tokens = jax.device_put(ints[0], r.token_sharding)
-    batch = StepBatch(dev_tokens, ints[1], ints[2], ints[3], ints[4], table, ints[1][:4])
-    sampling = SamplingInputs(temp, np.arange(4, dtype=np.int32), temp + 1, seed,
-                              np.arange(4, dtype=np.int32))  # fmt: skip
-    b2, s2 = r.place_inputs(batch, sampling)
-    assert b2.token_ids is dev_tokens
-    host_tok = r.place_inputs(dataclasses.replace(batch, token_ids=ints[0]), sampling)[0]
-    assert np.array_equal(np.asarray(host_tok.token_ids), ints[0])
-    assert len(r._placer._unpackers) == 1  # host or device token ids: one layout of the rest
-    host = jax.tree_util.tree_leaves((batch, sampling))[1:]
-    placed = jax.tree_util.tree_leaves((b2, s2))[1:]
-    for h, d in zip(host, placed, strict=True):
-        assert isinstance(d, jax.Array) and d.committed and d.sharding == r.token_sharding
-        assert d.dtype == h.dtype and d.shape == h.shape
-        assert np.array_equal(np.asarray(d).view(np.uint32), h.view(np.uint32))
-    f = jax.jit(lambda *a: a)
-    f(*placed)
-    f(*[jax.device_put(h, r.token_sharding) for h in host])
-    assert f._cache_size() == 1
-    # Negative control: a layout whose words were cut at the wrong places is seen
-    from serving.placement import unpacker
-
-    words = np.concatenate([h.reshape(-1).view(np.uint32) for h in host])
-    cut = unpacker(tuple((h.shape, h.dtype.str) for h in host), r.token_sharding)
-    shifted = cut(np.append(words[1:], np.uint32(0)))
-    assert not np.array_equal(np.asarray(shifted[0]), host[0])
 
 
 def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model):
