@@ -131,7 +131,7 @@ def probe() -> None:
     """Smoke check of every kernel variant on one realistic shape: error, M=1 vs M=300 bits."""
     import numpy as np
 
-    from pallas_kernels import matmul_mosaic
+    from pallas_kernels import tree_mosaic
     from pallas_kernels.matmul import matmul
     from pallas_kernels.tree_matmul import tree_matmul, tree_plan
 
@@ -146,7 +146,7 @@ def probe() -> None:
         "mosaic matmul": lambda x: matmul(x, b, backend="mosaic"),
     }
     for sub in (1, 2, 4):
-        variants[f"mosaic tree sub={sub}"] = lambda x, sub=sub: matmul_mosaic.tree_matmul(
+        variants[f"mosaic tree sub={sub}"] = lambda x, sub=sub: tree_mosaic.tree_matmul(
             x, b, jnp.bfloat16, k_total=k, num_leaves=leaves, subtree=sub
         )
     outs = {}
@@ -176,6 +176,7 @@ def tune(out_dir: str, m_sizes=(1024, 8192), variants=TUNE_VARIANTS) -> dict:
     import numpy as np
 
     from pallas_kernels import matmul_mosaic as mm
+    from pallas_kernels import tree_mosaic as tm
     from pallas_kernels.tree_matmul import tree_plan
 
     rows = []
@@ -189,7 +190,7 @@ def tune(out_dir: str, m_sizes=(1024, 8192), variants=TUNE_VARIANTS) -> dict:
                 v[f"bio{cta_n}"] = lambda x, y, c=cta_n: mm.matmul(x, y, jnp.bfloat16, cta_n=c)
         for sub, tn, w in variants:
             v[f"tree{sub}x{tn}{'w' if w else ''}"] = (
-                lambda x, y, s=sub, t=tn, w=w, kt=k, nl=leaves: mm.tree_matmul(
+                lambda x, y, s=sub, t=tn, w=w, kt=k, nl=leaves: tm.tree_matmul(
                     x, y, jnp.bfloat16, k_total=kt, num_leaves=nl, subtree=s, tile_n=t, wide=w
                 )
             )

@@ -114,10 +114,10 @@ def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | N
             a, b, leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=jnp.dtype(out_dtype)
         )
     if resolved == "mosaic":
-        from pallas_kernels import matmul_mosaic
+        from pallas_kernels import matmul_mosaic, tree_mosaic
 
         if matmul_mosaic.supports(k_total, b.shape[1], dtype, tree=True):
-            return matmul_mosaic.tree_matmul(
+            return tree_mosaic.tree_matmul(
                 a.astype(dtype),
                 b.astype(dtype),
                 out_dtype,
@@ -153,12 +153,12 @@ def tree_matmul_parts(
     dtype = _mm._check_operands(a, b)
     if _mm.resolve_backend(backend) != "mosaic":
         return None
-    from pallas_kernels import matmul_mosaic
+    from pallas_kernels import matmul_mosaic, tree_mosaic
 
     if not matmul_mosaic.supports(a.shape[1], b.shape[1], dtype, tree=True):
         return None
     plan = tree_plan(a.shape[1], dtype)
-    return matmul_mosaic.tree_parts(a.astype(dtype), b.astype(dtype), num_leaves=plan.num_leaves)
+    return tree_mosaic.tree_parts(a.astype(dtype), b.astype(dtype), num_leaves=plan.num_leaves)
 
 
 def tree_matmul_partial(

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from serving.faults import EngineStepError, FaultIsolation
-from serving.metrics import EngineMetrics
+from serving.metrics import EngineMetrics, SpecCollector
 from serving.model_runner import ModelRunner
 from serving.outputs import Reporting, RequestUpdate
 from serving.page_manager import PageManager
@@ -40,7 +40,7 @@ from serving.scheduler import Scheduler
 from serving.scoring import Scoring, split_scores
 from serving.sequence import Request, Sequence, Status, derive_seed
 from serving.shapes import kv_pool
-from serving.speculative import SpecCollector, Speculator, num_rows
+from serving.speculative import Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
 

@@ -102,3 +102,37 @@ class _CompileCollector:
         yield CounterMetricFamily(
             "jdet_compile_cache_hits", "Executables loaded from the persistent cache", s.cache_hits
         )
+
+
+class SpecCollector:
+    """Prometheus collector for `/metrics` (read at scrape time): drafts proposed and accepted,
+    verify rows, the acceptance rate and the mean tokens a verify emits."""
+
+    def __init__(self, speculator: Any) -> None:  # serving.speculative.Speculator
+        self.spec = speculator
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.spec.stats()
+        yield CounterMetricFamily(
+            "jdet_spec_draft_tokens", "Draft tokens verified", st["draft_tokens"]
+        )
+        yield CounterMetricFamily(
+            "jdet_spec_accepted_tokens", "Draft tokens accepted", st["accepted_tokens"]
+        )
+        yield CounterMetricFamily("jdet_spec_verifies", "Sequence verifies", st["verifies"])
+        yield CounterMetricFamily(
+            "jdet_spec_rejected_tokens",
+            "Verifies that ended on a draft the target did not draw (alpha's denominator is "
+            "accepted + rejected)",
+            st["rejected_tokens"],
+        )
+        yield GaugeMetricFamily(
+            "jdet_spec_acceptance_rate", "Accepted / verified draft tokens", st["acceptance_rate"]
+        )
+        yield GaugeMetricFamily(
+            "jdet_spec_mean_accepted_length",
+            "Mean tokens emitted per verify (accepted drafts + the target's own)",
+            st["mean_accepted_length"],
+        )

@@ -124,7 +124,7 @@ GPU_M = (1, 7, 128, 256, 1000, 8192)
 def test_gpu_mosaic_tree_strategies_give_identical_bits():
     """The Mosaic tree may spread its fixed tree over work items differently for different M
     (subtree groups, CTA shape); this proves every strategy yields the same bits."""
-    from pallas_kernels import matmul_mosaic as mm
+    from pallas_kernels import tree_mosaic as mm
 
     k, n = 12288, 4096
     leaves = tree_plan(k, jnp.bfloat16).num_leaves
