@@ -185,8 +185,8 @@ def add_rms_norm(
     then the norm kernel, two launches of ~2-3 µs for a few KB; this is one. Bits: the combine is
     the same f32 additions in the same order (combine_tree), r is rounded to x.dtype as XLA's
     add is, and the norm is `rms_norm`'s reduction plan (same block_d, same warps), so r and the
-    normed rows equal the three-step path's bitwise (tests/pallas_kernels/test_rms_norm.py;
-    on the GPU tests/jdet/test_step_fusion.py). x[T, D], parts f32[G, T, D], w the stack [L, D].
+    normed rows equal the three-step path's bitwise (tests/jdet/test_step_fusion.py: in
+    interpret mode on a CPU, compiled on the GPU). x[T, D], parts f32[G, T, D], w the stack [L, D].
     GPU and interpret mode only (the CPU path keeps the unfused ops)."""
     t, d = x.shape
     if parts.ndim != 3 or parts.shape[1:] != (t, d) or w.ndim != 2 or w.shape[1] != d:
