@@ -131,7 +131,6 @@ def _pow2(c: int) -> int:
 
 @jax.jit
 def _logsumexp_pallas(x: jax.Array) -> jax.Array:
-    _check(x, "logsumexp")
     n, v = x.shape
     m, s = _partials(x)
     c = m.shape[1]
@@ -151,7 +150,6 @@ def _logsumexp_pallas(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _log_softmax_pallas(x: jax.Array) -> jax.Array:
-    _check(x, "log_softmax")
     n, v = x.shape
     m, s = _partials(x)
     c = m.shape[1]
@@ -171,8 +169,7 @@ def _log_softmax_pallas(x: jax.Array) -> jax.Array:
 
 
 def _use_xla(x: jax.Array, backend: str | None, name: str) -> bool:
-    if x.ndim != 2:
-        raise ValueError(f"{name} expects logits x[N, V]; got shape {x.shape}")
+    _check(x, name)
     return _platform.resolve(backend, name) == "xla"
 
 
