@@ -110,8 +110,11 @@ MAX_LEN = 1024
 def make_engine(model: Any, device: str, max_batch: int, async_scheduling: str = "on") -> Any:
     """One engine for every batch size of the run, with a KV pool just large enough (not the
     GPU's free memory) and few shapes, so a GPU run compiles the real step only a few times."""
+    import jax
+
     from jdet import exec_cache
     from serving.engine import Engine
+    from serving.host_inputs import PackedStep, packed
 
     pages = MAX_LEN // 16
     eng = Engine(model, max_num_seqs=max(8, max_batch), max_num_batched_tokens=BUDGET,
@@ -120,10 +123,13 @@ def make_engine(model: Any, device: str, max_batch: int, async_scheduling: str =
     if device == "null":
         r = eng.runner
         d = tempfile.mkdtemp(prefix="jdet-host-bench-")
-        r.step_fn = exec_cache.CachedFn(
-            null_step(model.cfg.vocab_size), name="benchmarks.host_bench.null_step",
+        # host inputs packed as the real step's (serving/host_inputs.py)
+        run = packed(null_step(model.cfg.vocab_size),
+                     functools.partial(jax.jit, donate_argnums=(1,), keep_unused=True))
+        r.step_fn = PackedStep(exec_cache.CachedFn(
+            run, name="benchmarks.host_bench.null_step",
             static={"cfg": repr(model.cfg)}, devices=r.token_sharding.device_set, directory=d,
-        )  # fmt: skip
+        ))  # fmt: skip
     elif device != "real":
         raise ValueError(f"--device must be 'null' or 'real', got {device!r}")
     eng.warmup()

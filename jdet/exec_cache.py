@@ -277,5 +277,7 @@ def wrap(
 
 
 def prepare(fn: Callable, *args: Any) -> str | None:
-    """Warm-up's hook: load or compile `args`' shape if `fn` is cached; None for a plain jit."""
-    return fn.warm(*args) if isinstance(fn, CachedFn) else None
+    """Warm-up's hook: load or compile `args`' shape if `fn` is cached (a CachedFn, or a wrapper
+    with its own `warm`: serving/host_inputs.PackedStep); None for a plain jit."""
+    warm = getattr(type(fn), "warm", None)  # on the type: CachedFn forwards unknown attributes
+    return warm(fn, *args) if warm is not None else None

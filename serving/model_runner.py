@@ -110,7 +110,14 @@ class ModelRunner:
         self._ahead_val: tuple | None = None
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
-            self.step_fn = self._exec_cached(self.step_fn, "step")
+            # its small host arrays travel in one copy (serving/host_inputs.py says why)
+            from jdet.ops import Ops
+            from jdet.step import jit_step
+            from serving.host_inputs import PackedStep, packed
+
+            # the step's own jit: its XLA options depend on the mode and platform only
+            run = packed(self.step_fn, jit_step(Ops(invariance=invariance)))
+            self.step_fn = PackedStep(self._exec_cached(run, "step"))
 
     def score_step(self) -> Callable:
         """The teacher-forced score function matching this runner's step."""
