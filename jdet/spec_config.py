@@ -17,8 +17,9 @@ MAX_NUM_TOKENS = 16
 # Revision of the adaptive-K policy (serving/spec_adaptive.py). In rejection mode the policy
 # decides which positions are rejection-sampled, i.e. part of the bits, so the fingerprint
 # carries it: bump it whenever the policy changes which steps verify. 2: an n-gram lookup that
-# finds nothing is no longer a miss (session 6).
-ADAPTIVE_POLICY = 2
+# finds nothing is no longer a miss (session 6). 3: in rejection mode the policy no longer looks
+# at a sequence's latest token (its bits independent of async scheduling; session 7).
+ADAPTIVE_POLICY = 3
 
 
 @dataclasses.dataclass(frozen=True)

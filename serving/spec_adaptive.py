@@ -31,6 +31,15 @@ alpha keeps being measured:
   - model drafts (a pass of the draft costs device time): every `probe_every` tokens it verifies
     one step's drafts again (a probe), whose outcome updates the estimate.
 It drafts again as soon as its estimate reaches `min_alpha`.
+
+Rejection mode (`lag=1`): which positions are rejection-sampled is part of the bits there, so
+the decision for a step must not depend on when the host learns a token. A step dispatched ahead
+is decided before the token it feeds has reached the host; a synchronous step after it has. So
+in rejection mode every decision for the step whose input is token j looks at tokens[:j] only
+(`drafts` ignores the latest token; `can_run_ahead`'s look, made while that token is computed,
+sees exactly tokens[:j] too): the same state at the same decision with async scheduling on or
+off (tests/serving/test_spec_adaptive.py). Exact mode looks at every token (its bits never
+depend on the decision).
 """
 
 from __future__ import annotations
@@ -70,15 +79,18 @@ class Acceptance:
 class AdaptiveK:
     """Decides per sequence whether it drafts this step (`drafts`); see the module docstring.
     `lookup(seq, i)`: the n-gram draft's first token for the context of seq's first i tokens, or
-    None (None for model drafts: they are probed instead)."""
+    None (None for model drafts: they are probed instead). `lag`: latest tokens `drafts` does not
+    look at (1 in rejection mode, module docstring)."""
 
     def __init__(
         self,
         min_alpha: float,
         probe_every: int,
         lookup: Callable[[Sequence, int], int | None] | None,
+        lag: int = 0,
     ) -> None:
         self.min_alpha = min_alpha
+        self.lag = lag
         self.probe_every = probe_every
         self.lookup = lookup
         self.state: weakref.WeakKeyDictionary[Sequence, Acceptance] = weakref.WeakKeyDictionary()
@@ -88,7 +100,7 @@ class AdaptiveK:
     def _of(self, seq: Sequence) -> Acceptance:
         st = self.state.get(seq)
         if st is None:
-            st = self.state[seq] = Acceptance(seen=len(seq.token_ids))
+            st = self.state[seq] = Acceptance()  # seen=None: synced at its first look
         return st
 
     def fallen_back(self, seq: Sequence) -> bool:
@@ -98,16 +110,16 @@ class AdaptiveK:
             return False
         return self.lookup is not None or st.idle < self.probe_every
 
-    def observe(self, seqs: Iterable[Sequence]) -> None:
-        """Account the tokens each sequence got since the last look: while it is fallen back,
-        n-gram drafts measure whether the lookup would have proposed each token, model drafts
-        count the tokens towards the next probe. Host work only; the engine runs it while the
-        device computes a step."""
+    def observe(self, seqs: Iterable[Sequence], lag: int = 0) -> None:
+        """Account the tokens each sequence got since the last look, its latest `lag` tokens
+        left for a later look: while it is fallen back, n-gram drafts measure whether the lookup
+        would have proposed each token, model drafts count the tokens towards the next probe.
+        Host work only; the engine runs it while the device computes a step."""
         for seq in seqs:
             st = self._of(seq)
-            n = len(seq.token_ids)
+            n = len(seq.token_ids) - lag
             if st.seen is None or n <= st.seen or not self.fallen_back(seq):
-                st.seen = n
+                st.seen = n if st.seen is None else max(st.seen, n)  # a lagging look: no rewind
                 continue
             for i in range(st.seen, n):
                 if self.lookup is None:
@@ -123,8 +135,9 @@ class AdaptiveK:
             st.seen = n
 
     def drafts(self, seq: Sequence) -> bool:
-        """Whether `seq` should get drafts this step (False counts a fallback step)."""
-        self.observe([seq])
+        """Whether `seq` should get drafts this step (False counts a fallback step); its latest
+        `lag` tokens unseen (rejection mode: the module docstring)."""
+        self.observe([seq], self.lag)
         if self.fallen_back(seq):
             self.num_fallback_steps += 1
             return False

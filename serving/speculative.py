@@ -120,7 +120,8 @@ class Speculator:
         self.adaptive: AdaptiveK | None = None  # K = 0 at low acceptance: spec_adaptive.py
         if config.min_alpha > 0:
             look = None if config.method != "ngram" else self._lookup
-            self.adaptive = AdaptiveK(config.min_alpha, config.probe_every, look)
+            lag = int(self.rejection)  # rejection mode: blind to the latest token (its bits)
+            self.adaptive = AdaptiveK(config.min_alpha, config.probe_every, look, lag)
 
     def _lookup(self, seq: Sequence, i: int) -> int | None:
         """The n-gram draft's first token for the context of `seq`'s first i tokens (adaptive K's

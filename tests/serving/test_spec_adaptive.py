@@ -99,6 +99,50 @@ def test_rejection_mode_goes_ahead_too_and_greedy_keeps_the_bits(serving_model, 
     assert eng.num_steps_ahead > 0 and eng.speculator.stats()["verifies"] > 0
 
 
+def _rejection_async_vs_sync(model, lag: int | None = None) -> tuple[dict, dict, list]:
+    """The sampled requests (greedy rows keep plain bits anyway) in rejection mode with the
+    self draft, falling back and probing (probe_every=4), on an async engine and a synchronous
+    one; `lag` replaces the policy's (the control)."""
+    reqs = [r for r in requests() if not r[0].endswith("/greedy")]
+    spec = SpeculativeConfig(method="self", draft_layers=1, verify="rejection", min_alpha=0.5,
+                             probe_every=4)  # fmt: skip
+    got, engines = [], []
+    for mode in ("on", "off"):
+        eng = make_engine(model, spec, async_scheduling=mode)
+        if lag is not None:
+            eng.speculator.adaptive.lag = lag
+        got.append(run(eng, reqs))
+        engines.append(eng)
+    return got[0], got[1], engines
+
+
+def test_rejection_bits_do_not_depend_on_async_scheduling(serving_model):
+    """Rejection mode: which positions are rejection-sampled is part of the bits, and adaptive
+    K decides it; its decisions look at the tokens before the step's input token only, which a
+    dispatched-ahead step and a synchronous one both know (serving/spec_adaptive.py). So the
+    same requests give the same bits with async scheduling on and off; checked that the async
+    run went ahead, fell back and verified."""
+    on, off, (a, s) = _rejection_async_vs_sync(serving_model)
+    assert a.num_steps_ahead > 0 and s.num_steps_ahead == 0
+    assert a.speculator.adaptive.num_fallback_steps > 0
+    assert a.speculator.stats()["verifies"] > 0 and a.speculator.stats()["accepted_tokens"] > 0
+    assert_same(on, off)
+
+
+def test_negative_control_rejection_policy_seeing_the_latest_token_depends_on_async(
+    serving_model,
+):
+    """The same comparison with the policy looking at every token (lag 0, the policy before
+    session 7): a synchronous step sees one token more than an ahead step had, so the two runs
+    rejection-sample other positions and some request's tokens differ."""
+    on, off, _ = _rejection_async_vs_sync(serving_model, lag=0)
+    assert any(
+        not np.array_equal(x.token_ids, y.token_ids)
+        for r in on
+        for x, y in zip(on[r].outputs, off[r].outputs, strict=True)
+    )
+
+
 def test_adaptive_k_under_preemption_and_prefix_cache(serving_model, plain):
     """Few pages (preemption) and the prefix cache on, async on: still the plain bits."""
     eng = make_engine(serving_model, SpeculativeConfig(), async_scheduling="on", num_pages=20)
