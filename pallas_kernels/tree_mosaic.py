@@ -56,13 +56,24 @@ def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool, bool]:
     This is the one place M enters, and it cannot change a bit: every strategy performs the same
     f32 additions in the same order (tests/pallas_kernels/test_tree_matmul.py checks it on the
     GPU). When whole-tree work items fill the machine, the whole tree stays in
-    registers (no f32 partials in HBM); otherwise groups of 4 leaves run as separate work items
-    (split-K parallelism for decode) and XLA adds the group results; at M <= 64 on 64-row CTAs.
+    registers (no f32 partials in HBM); otherwise groups of leaves run as separate work items
+    (split-K parallelism for decode) and XLA (or the next kernel: add_rms_norm) adds the group
+    results; at M <= 64 on 64-row CTAs. The group is the largest of 4, 2, 1 leaves that still
+    gives at least half the SMs a work item: a narrow output (N = 1024, 8 column tiles) had 16
+    work items in groups of 4 on 132 SMs. H100, one layer's kernels in a 28/32-layer scan at 64
+    rows (benchmarks/split_probe.py, BENCHMARKS run 8), us per layer, groups of 4 -> this rule:
+    Qwen3-0.6B o (2048->1024) 7.2 -> 4.6 and down (3072->1024) 9.4 -> 5.8 (1 leaf); Llama-3-8B
+    down (14336->4096) 46.0 -> 44.0, o 15.6 -> 14.8 (2 leaves); bits equal in every case.
     """
+    small = decode_rows(m)
     tiles = pl.cdiv(m, 128) * (n // 128)  # whole-tree work items of the narrow config
     if tiles >= _num_sms():
         return num_leaves, TREE_WIDE, False
-    return min(4, num_leaves), False, decode_rows(m)
+    items = pl.cdiv(m, 64 if small else 128) * (n // 128)  # work items per leaf group
+    sub = min(4, num_leaves)
+    while sub > 1 and (num_leaves // sub) * items < _num_sms() // 2:
+        sub //= 2
+    return sub, False, small
 
 
 TREE_WIDE = False

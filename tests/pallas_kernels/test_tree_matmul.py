@@ -143,6 +143,8 @@ def test_gpu_mosaic_tree_strategies_give_identical_bits():
                 (8, False, False),
                 (8, True, False),
                 (2, True, False),
+                (1, False, True),
+                (2, False, True),
                 (4, False, True),
                 (8, False, True),
             )  # fmt: skip
@@ -171,3 +173,18 @@ def test_gpu_pairwise_combination_of_shard_subtrees_equals_tree_matmul_bitwise(b
     for c in (1, 2, 4, 8):
         combined = combine_tree(_shards(a, b, c, backend=backend))
         assert np.array_equal(np.asarray(combined), full32), f"C={c} ({backend})"
+
+
+def test_decode_split_gives_at_least_half_the_sms_a_work_item(monkeypatch):
+    """tree_strategy's leaf groups (BENCHMARKS run 8): the largest of 4/2/1 leaves with at least
+    half of the 132 H100 SMs busy; whole tree once whole-tree work items fill the SMs. Only the
+    speed depends on it (test_gpu_mosaic_tree_strategies_give_identical_bits)."""
+    from pallas_kernels import tree_mosaic
+
+    monkeypatch.setattr(tree_mosaic, "_num_sms", lambda: 132)
+    s = tree_mosaic.tree_strategy
+    assert s(64, 4096, 8) == (2, False, True)  # Llama-3-8B o / down at batch 1: 128 items
+    assert s(64, 1024, 8) == (1, False, True)  # Qwen3-0.6B o / down: 64 items, the most there are
+    assert s(64, 8192, 8)[0] == 4  # wider N: groups of 4 already give 128 items
+    assert s(64, 28672, 8)[0] == 8  # 224 whole-tree items fill the SMs
+    assert s(2048, 4096, 8) == (8, tree_mosaic.TREE_WIDE, False)  # prefill: the whole tree
