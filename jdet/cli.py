@@ -61,21 +61,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) -> int:
     import jdet
+    from jdet import exec_cache
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
     # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
-    llm = jdet.LLM(a.model, engine, warmup=False, speculative=spec)
-    sp = jdet.SamplingParams(
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        max_tokens=a.max_tokens,
-        seed=a.seed,
-    )
-    print(a.prompt, end="", flush=True)
-    for delta in llm.stream(a.prompt, sp):
-        print(delta, end="", flush=True)
-    print()
+    # Each shape met is loaded from jdet's executable cache (or compiled and written there) at its
+    # first call, so a second run neither traces nor compiles (jdet/exec_cache.py).
+    # (Switched back at the end: `main` also runs inside other processes, e.g. the tests.)
+    exec_cache.load_on_call(True)
+    try:
+        llm = jdet.LLM(a.model, engine, warmup=False, speculative=spec)
+        sp = jdet.SamplingParams(
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            max_tokens=a.max_tokens,
+            seed=a.seed,
+        )
+        print(a.prompt, end="", flush=True)
+        for delta in llm.stream(a.prompt, sp):
+            print(delta, end="", flush=True)
+        print()
+    finally:
+        exec_cache.load_on_call(False)
     return 0
 
 
