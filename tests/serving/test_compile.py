@@ -106,10 +106,14 @@ def test_after_warmup_no_request_mix_compiles(serving_model, capsys):
 
 def test_after_warmup_speculative_traffic_compiles_nothing(serving_model):
     """Speculative verifies (K + 1 sampled rows per sequence) run only shapes of the set, which
-    a speculative engine widens in S (max_num_seqs * (K + 1) rows) and warms up."""
+    a speculative engine widens in S (max_num_seqs * (K + 1) rows) and warms up. One token
+    bucket (T = 32) and both page buckets: 2 shapes to compile, not 4 (the test above covers
+    a set that varies in T too); S is still widened."""
     spec = jdet.SpeculativeConfig(method="ngram", num_tokens=4)
-    llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True, speculative=spec)
+    settings = {**SETTINGS, "min_tokens_bucket": 32}
+    llm = jdet.LLM(serving_model, **settings, num_pages=10, warmup=True, speculative=spec)
     assert llm.engine.runner.shapes.max_seqs == 4 * 5
+    assert sorted(llm.engine.runner.shapes.all()) == [(32, 20, 4), (32, 20, 8)]
     llm.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))  # first use: step warm-up
     before = compile_cache.stats()
     copy = [5, 6, 7, 8, 9, 10] * 4  # n-gram drafts that the model accepts now and then
