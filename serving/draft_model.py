@@ -79,7 +79,10 @@ class ModelDraft:
             self.params = model.params
             num_pages = jax.tree_util.tree_leaves(runner.kv)[0].shape[2]
             kv = init_kv_cache(model.cfg, num_pages, runner.page_size, model.dtype)
-            self.kv = jax.device_put(kv, jax.devices()[0])  # committed, as after a step (`_run`)
+            self.device = jax.devices()[0]
+            self.kv = jax.device_put(kv, self.device)  # committed, as after a step (`_run`)
+            one = jax.sharding.SingleDeviceSharding(self.device)
+            self._put = jax.jit(lambda t: t, out_shardings=one)  # host token ids (`_run`)
             # the draft's own bits do not matter (exact mode): the simplest runtime, one device
             mode = "batch" if invariance == "tp" else invariance
             self.step_fn = cached_step_fn(model.cfg, mode)
@@ -91,8 +94,7 @@ class ModelDraft:
     def _run(self, batch: Any, sampling: Any) -> Any:
         r = self.runner
         if self.kv is None:  # "self": the target's cache, donated and replaced as by a step
-            batch = dataclasses.replace(batch, token_ids=_placed(batch.token_ids, r))
-            r.kv, out = self.step_fn(self.params, r.kv, batch, sampling)
+            r.kv, out = self.step_fn(self.params, r.kv, r.place_tokens(batch), sampling)
         else:
             import jax
             import jax.numpy as jnp
@@ -102,8 +104,12 @@ class ModelDraft:
                 # only acceptance can suffer until the pages are recomputed, never the bits
                 self.kv = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), self.kv)
             # token ids always on the draft's device, host ids or a dispatched-ahead step's
-            # device tokens (adaptive K): one placement, so one executable per shape
-            tok = jax.device_put(batch.token_ids, jax.devices()[0])
+            # device tokens (adaptive K): one placement, so one executable per shape. Host ids
+            # through a jitted identity (as ModelRunner.place_tokens: far less host time than
+            # jax.device_put), device tokens moved by device_put (no new executable).
+            tok = batch.token_ids
+            host = isinstance(tok, np.ndarray)
+            tok = self._put(tok) if host else jax.device_put(tok, self.device)
             batch = dataclasses.replace(batch, token_ids=tok)
             self.kv, out = self.step_fn(self.params, self.kv, batch, sampling)
         return out
@@ -180,11 +186,3 @@ class ModelDraft:
                     dists[seq].append(q)
         return got, dists
 
-
-def _placed(token_ids: Any, runner: Any) -> Any:
-    """Host token ids placed as the target's step expects them (ModelRunner.dispatch)."""
-    import jax
-
-    if isinstance(token_ids, np.ndarray):
-        return jax.device_put(token_ids, runner.token_sharding)
-    return token_ids
