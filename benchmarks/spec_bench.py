@@ -12,18 +12,25 @@ Each row is run with adaptive K off (`--min-alphas 0`: every decode drafts, as b
 
 `--gpu` part (random bf16 weights of the Qwen3-8B shape, one GPU, like decode_bench.py): the
 device time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch
-1, context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` with n-gram
-drafts (K = 4) on a copy-heavy prompt (a random token block repeated; `--prompt heldout`: a
-held-out text of the embedded model's corpus, little to copy), four engines side by side in the
-same run, `--reps` rounds in rotated order, median reported with the spread: spec with adaptive
-K (the default: steps where no request drafts are dispatched ahead), spec always drafting
-(`min_alpha=0`: every step verifies, synchronously), plain with async dispatch (the GPU default)
-and plain synchronous; tokens/s, alpha, steps, steps dispatched ahead, ms per step, device->host
-fetches and compiles per run, bits asserted equal. The end-to-end part also runs on a CPU
-(`--gpu --shape embedded --no-verify-timing`: counts, not speeds).
+1, context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` on a
+copy-heavy prompt (a random token block repeated; `--prompt heldout`: a held-out text of the
+embedded model's corpus, little to copy), K = 4, several engines side by side in the same run
+sharing one placed copy of the weights, `--reps` rounds in rotated order, median reported with
+the spread (benchmarks/spec_e2e.py): n-gram drafts with adaptive K (the default), n-gram always
+drafting (`min_alpha=0`), plain with async dispatch (the GPU default), plain synchronous
+(`--engines`), and `--replay-alphas`: a benchmark-only replay draft (benchmarks/replay_draft.py)
+that proposes the target's own recorded output, each position right with probability alpha, so
+the speedup at alpha = 0.5..0.9 is measured on random weights, where real drafts get alpha ~ 0.
+Per engine: decode tok/s (from the first output token on) and whole-request tok/s, the measured
+alpha and tokens per verify beside the seed's formula, tokens per decode step, steps ahead,
+device->host fetches and compiles per run; every run's bits asserted equal to the plain run's.
+The end-to-end part also runs on a CPU (`--gpu --shape tiny|embedded --no-verify-timing`:
+counts, not speeds).
 
     PYTHONPATH=. python -m benchmarks.spec_bench [--ks 1,2,4,8] [--out OUT]
     PYTHONPATH=. python -m benchmarks.spec_bench --gpu --out $OUT      # < 5 minutes on an H100
+    PYTHONPATH=. python -m benchmarks.spec_bench --gpu --ks 4 --reps 3 \
+        --engines adaptive,plain_async --replay-alphas 0.7,0.9 --out $OUT   # issue 13's target
     PYTHONPATH=. python -m benchmarks.spec_bench --gpu --shape embedded [--prompt heldout]
 Writes `spec_bench.json` (after every row) and prints a table.
 """
@@ -41,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.spec_e2e import BASE_ENGINES, e2e, shared_weights, summarize
 
 
 def formula(alpha: float, k: int) -> float:
@@ -175,6 +184,13 @@ def copy_text() -> str:
 
 
 def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
+    """One placed copy of the weights for every engine (`shared_weights`)."""
+    with shared_weights() as placed:
+        gpu_engines(a, res, save)
+        res["weight_copies_placed"] = len(placed)
+
+
+def gpu_engines(a: argparse.Namespace, res: dict, save: Any) -> None:
     """Every engine has the same shape set (S = T: max_num_seqs >= the token budget), so they
     share the compiled steps: 3 shapes in all."""
     import gc
@@ -211,90 +227,21 @@ def gpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     params = dict(temperature=0.0, max_tokens=a.gpu_tokens, ignore_eos=True)
     del eng
     gc.collect()
-    res["gpu_e2e_runs"] = e2e(model, kw, spec, prompt, params, a.reps)
+    if a.shape != "embedded" and a.gpu_tokens + ctx > max_len:
+        raise ValueError(f"--gpu-tokens {a.gpu_tokens} + the {ctx}-token prompt > {max_len}")
+    names = a.engines + [f"replay_{x:g}" for x in a.replay_alphas]
+    res["gpu_e2e_runs"] = e2e(model, kw, spec, prompt, params, a.reps, names, bits)
     save()
-    by = summarize(res["gpu_e2e_runs"])
+    by = summarize(res["gpu_e2e_runs"], names)
+    for r in by.values():  # the seed's formula at the measured alpha (speculative engines)
+        if "alpha" in r:
+            r["formula"] = formula(r["alpha"], r["K"])
     res["gpu_e2e"] = list(by.values())
-    t = {name: r["tok_per_s"] for name, r in by.items()}
-    res["gpu_e2e_adaptive_vs_always"] = t["adaptive"] / t["always_drafting"]
-    res["gpu_e2e_adaptive_vs_plain_async"] = t["adaptive"] / t["plain_async"]
-    res["gpu_e2e_always_vs_plain_async"] = t["always_drafting"] / t["plain_async"]
-    res["gpu_e2e_adaptive_vs_plain_sync"] = t["adaptive"] / t["plain_sync"]
+    if "plain_async" in by:  # decode tok/s of each engine / plain async's, same run
+        base = by["plain_async"]["decode_tok_per_s"]
+        res["gpu_e2e_vs_plain_async"] = {n: r["decode_tok_per_s"] / base for n, r in by.items()}
     res["gpu_bits_equal"] = True
     save()
-
-
-ENGINES = ("adaptive", "always_drafting", "plain_async", "plain_sync")
-
-
-def e2e(model: Any, kw: dict, spec: Any, prompt: list[int], params: dict, reps: int) -> list:
-    """Batch-1 generation through `Engine.step`, four engines built side by side (they share the
-    compiled steps) and run in turn, `reps` rounds, the order rotated every round (one run is
-    ~0.3 s on a GPU: host jitter and the first run of a process moved a single run by up to
-    1.6x in session 5, e.g. plain async 307 vs 501 tok/s on the same work): adaptive K (the
-    default), always drafting (`min_alpha=0`, every step verifies, synchronously), plain with
-    async dispatch (the GPU default) and plain synchronous. Each run records its steps, steps
-    dispatched ahead, device->host fetches (the sync points: one per step) and compiles (0
-    expected: a compile inside a run would be a shape warm-up missed); bits asserted equal."""
-    from jdet import compile_cache as cc
-    from serving.engine import Engine
-
-    settings = {"adaptive": {"speculative": spec},
-                "always_drafting": {"speculative": dataclasses.replace(spec, min_alpha=0.0)},
-                "plain_async": {}, "plain_sync": {"async_scheduling": "off"}}  # fmt: skip
-    engines = {}
-    for name in ENGINES:
-        on = {} if name == "plain_sync" else {"async_scheduling": "on"}
-        engines[name] = eng = Engine(model, **{**kw, **on, **settings[name]})
-        generate(eng, [prompt[:40]], dict(params, max_tokens=8))  # compile the shapes met
-    rows, ref = [], None
-    for rep in range(reps):
-        for j in range(len(ENGINES)):
-            name = ENGINES[(j + rep) % len(ENGINES)]
-            eng = engines[name]
-            fetches = [0]
-            real = eng.runner.fetch
-
-            def counted(*args: Any, _real: Any = real, _n: list = fetches) -> Any:
-                _n[0] += 1
-                return _real(*args)
-
-            eng.runner.fetch = counted
-            if eng.speculator is not None:
-                eng.speculator.reset_stats()
-            steps0, ahead0, comp0 = eng.num_steps, eng.num_steps_ahead, cc.stats().compiles
-            outs, dt = generate(eng, [prompt], params)
-            del eng.runner.fetch  # the class's again
-            n = len(outs[0].outputs[0].token_ids)
-            ref = ref if ref is not None else bits(outs)
-            assert bits(outs) == ref, f"{name}: bits differ from the first run"
-            steps = eng.num_steps - steps0
-            row = {"run": name, "rep": rep, "K": spec.num_tokens if eng.speculator else 0,
-                   "tok_per_s": n / dt, "seconds": dt, "tokens": n,
-                   "async": bool(eng.async_scheduling), "steps": steps,
-                   "steps_ahead": eng.num_steps_ahead - ahead0, "ms_per_step": dt / steps * 1e3,
-                   "fetches": fetches[0],
-                   "compiles": cc.stats().compiles - comp0}  # fmt: skip
-            if eng.speculator is not None:
-                row.update(eng.speculator.stats())
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
-
-
-def summarize(rows: list[dict]) -> dict[str, dict]:
-    """Per engine: the run of median tok/s (the upper one for an even count; its counters with
-    it) and the spread over reps."""
-    out = {}
-    for name in ENGINES:
-        mine = sorted((r for r in rows if r["run"] == name), key=lambda r: r["tok_per_s"])
-        if not mine:
-            continue
-        med = dict(mine[len(mine) // 2])
-        med["tok_per_s_min"], med["tok_per_s_max"] = mine[0]["tok_per_s"], mine[-1]["tok_per_s"]
-        med["reps"] = len(mine)
-        out[name] = med
-    return out
 
 
 def table(res: dict) -> str:
@@ -313,20 +260,23 @@ def table(res: dict) -> str:
             )
     for r in res["gpu_verify"]:
         lines.append(f"GPU verify K={r['K']}: {r['step_ms']:.2f} ms = {r['vs_decode']:.2f}x decode")
+    vs = res.get("gpu_e2e_vs_plain_async", {})
     for r in res["gpu_e2e"]:
-        extra = f" alpha {r['alpha']:.3f}" if "alpha" in r else ""
-        spread = f" ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f} over {r['reps']} reps)"
+        extra = ""
+        if "alpha" in r:
+            extra = (f"; alpha {r['alpha']:.3f}, tokens/verify {r['mean_accepted_length']:.2f}"
+                     f" (formula {r['formula']:.2f})")  # fmt: skip
+        if r["run"] in vs:
+            extra += f"; {vs[r['run']]:.2f}x plain async"
         lines.append(
-            f"e2e {r['run']}: {r['tok_per_s']:.1f} tok/s{spread}{extra}, {r['steps']} steps "
-            f"({r['steps_ahead']} ahead) {r['ms_per_step']:.2f} ms/step, {r['fetches']} fetches,"
-            f" {r['compiles']} compiles"
+            f"e2e {r['run']}: decode {r['decode_tok_per_s']:.1f} tok/s "
+            f"({r['decode_tok_per_s_min']:.1f}-{r['decode_tok_per_s_max']:.1f} over {r['reps']}"
+            f" reps), whole request {r['tok_per_s_median']:.1f}; {r['decode_steps']} decode steps"
+            f" ({r['tokens_per_decode_step']:.2f} tokens each; {r['steps_ahead']} ahead),"
+            f" {r['fetches']} fetches, {r['compiles']} compiles{extra}"
         )
-    if "gpu_e2e_adaptive_vs_always" in res:
-        lines.append(f"e2e adaptive K / always drafting {res['gpu_e2e_adaptive_vs_always']:.2f}x; "
-                     f"adaptive / plain async {res['gpu_e2e_adaptive_vs_plain_async']:.2f}x; "
-                     f"always drafting / plain async {res['gpu_e2e_always_vs_plain_async']:.2f}x;"
-                     f" adaptive / plain sync {res['gpu_e2e_adaptive_vs_plain_sync']:.2f}x; "
-                     "bits equal")  # fmt: skip
+    if res.get("gpu_bits_equal"):
+        lines.append("e2e: every run's tokens and log-probs equal the plain run's")
     return "\n".join(lines)
 
 
@@ -349,13 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-tokens", type=int, default=128, help="tokens generated end to end")
     p.add_argument("--e2e-k", type=int, default=4, help="K of the end-to-end n-gram run")
     p.add_argument("--reps", type=int, default=5,
-                   help="end-to-end rounds (each runs the four engines, order rotated)")
+                   help="end-to-end rounds (each runs every engine, order rotated)")
+    p.add_argument("--engines", default=",".join(BASE_ENGINES),
+                   help="end-to-end engines (benchmarks/spec_e2e.py), one plain at least")
+    p.add_argument("--replay-alphas", default="",
+                   help="end-to-end replay-draft engines, one per acceptance rate (e.g. 0.7,0.9):"
+                   " the target's own output, each position right with this probability")
     p.add_argument("--no-verify-timing", action="store_true",
                    help="--gpu: skip the verify-step timing (e.g. the end-to-end part on a CPU)")
     a = p.parse_args(argv)
     a.ks = [int(k) for k in a.ks.split(",")]
     a.kinds = a.kinds.split(",")
     a.min_alphas = [float(m) for m in a.min_alphas.split(",")]
+    a.engines = [e for e in a.engines.split(",") if e]
+    a.replay_alphas = [float(x) for x in a.replay_alphas.split(",") if x]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"args": vars(a), "cpu": [], "gpu_verify": [], "gpu_e2e": []}

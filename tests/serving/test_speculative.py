@@ -440,3 +440,26 @@ def test_the_shipped_draft_loads_and_a_vocabulary_mismatch_is_named(serving_mode
     320-token test model it is refused by name."""
     with pytest.raises(ValueError, match=r"vocabulary \(8192\) differs from the target's \(320\)"):
         make_engine(serving_model, spec_cfg(2, "draft", "default"))
+
+
+def test_replay_draft_has_a_controlled_acceptance_and_keeps_the_bits(serving_model, reference):
+    """benchmarks/replay_draft.py (spec_bench's draft for a chosen alpha on random weights):
+    through the model-draft slot, alpha 1 gets every draft accepted, alpha 0 none, alpha 0.6
+    some and not all; the bits are the plain ones each time. Rejection mode is refused."""
+    from benchmarks.replay_draft import ReplayDraft, attach_replay
+
+    rid = "random/greedy"
+    ref = reference[rid].outputs[0]
+    script = PROMPTS["random"] + list(ref.token_ids)
+    rates = {}
+    for alpha in (1.0, 0.0, 0.6):
+        e = make_engine(serving_model, SpeculativeConfig(num_tokens=3, min_alpha=0.0))
+        attach_replay(e, ReplayDraft([script], alpha, serving_model.cfg.vocab_size, seed=1))
+        assert_same(run(e, [(rid, PROMPTS["random"], PARAMS["greedy"])]), {rid: reference[rid]})
+        st = e.speculator.stats()
+        rates[alpha] = (st["accepted_tokens"], st["draft_tokens"], st["rejected_tokens"])
+    assert rates[1.0][0] == rates[1.0][1] > 0 and rates[0.0][0] == 0 < rates[0.0][2]
+    assert 0 < rates[0.6][0] < rates[0.6][1] and rates[0.6][2] > 0
+    rej = make_engine(serving_model, SpeculativeConfig(verify="rejection"))
+    with pytest.raises(ValueError, match="verify='exact' only"):
+        attach_replay(rej, ReplayDraft([script], 0.5, serving_model.cfg.vocab_size))
