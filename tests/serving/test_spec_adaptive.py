@@ -99,13 +99,18 @@ def test_rejection_mode_goes_ahead_too_and_greedy_keeps_the_bits(serving_model, 
     assert eng.num_steps_ahead > 0 and eng.speculator.stats()["verifies"] > 0
 
 
-def _rejection_async_vs_sync(model, lag: int | None = None) -> tuple[dict, dict, list]:
+def _rejection_async_vs_sync(
+    model, lag: int | None = None, draft_model=None
+) -> tuple[dict, dict, list]:
     """The sampled requests (greedy rows keep plain bits anyway) in rejection mode with the
-    self draft, falling back and probing (probe_every=4), on an async engine and a synchronous
-    one; `lag` replaces the policy's (the control)."""
+    self draft (or `draft_model`), falling back and probing (probe_every=4), on an async engine
+    and a synchronous one; `lag` replaces the policy's (the control)."""
     reqs = [r for r in requests() if not r[0].endswith("/greedy")]
     spec = SpeculativeConfig(method="self", draft_layers=1, verify="rejection", min_alpha=0.5,
                              probe_every=4)  # fmt: skip
+    if draft_model is not None:
+        spec = SpeculativeConfig(method="draft", draft_model=draft_model, verify="rejection",
+                                 min_alpha=0.5, probe_every=4)  # fmt: skip
     got, engines = [], []
     for mode in ("on", "off"):
         eng = make_engine(model, spec, async_scheduling=mode)
@@ -116,13 +121,15 @@ def _rejection_async_vs_sync(model, lag: int | None = None) -> tuple[dict, dict,
     return got[0], got[1], engines
 
 
-def test_rejection_bits_do_not_depend_on_async_scheduling(serving_model):
+@pytest.mark.parametrize("method", ["self", "draft"])
+def test_rejection_bits_do_not_depend_on_async_scheduling(serving_model, method, request):
     """Rejection mode: which positions are rejection-sampled is part of the bits, and adaptive
     K decides it; its decisions look at the tokens before the step's input token only, which a
     dispatched-ahead step and a synchronous one both know (serving/spec_adaptive.py). So the
     same requests give the same bits with async scheduling on and off; checked that the async
-    run went ahead, fell back and verified."""
-    on, off, (a, s) = _rejection_async_vs_sync(serving_model)
+    run went ahead, fell back and verified. Drafts: the self draft, a random draft model."""
+    dm = request.getfixturevalue("random_draft") if method == "draft" else None
+    on, off, (a, s) = _rejection_async_vs_sync(serving_model, draft_model=dm)
     assert a.num_steps_ahead > 0 and s.num_steps_ahead == 0
     assert a.speculator.adaptive.num_fallback_steps > 0
     assert a.speculator.stats()["verifies"] > 0 and a.speculator.stats()["accepted_tokens"] > 0
