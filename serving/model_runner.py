@@ -111,12 +111,9 @@ class ModelRunner:
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/host_inputs.py says why)
-            from jdet.ops import Ops
-            from jdet.step import jit_step
-            from serving.host_inputs import PackedStep, packed
+            from serving.host_inputs import PackedStep, packed_step_fn
 
-            # the step's own jit: its XLA options depend on the mode and platform only
-            run = packed(self.step_fn, jit_step(Ops(invariance=invariance)))
+            run = packed_step_fn(self.step_fn, invariance)
             self.step_fn = PackedStep(self._exec_cached(run, "step"))
 
     def score_step(self) -> Callable:
