@@ -212,7 +212,7 @@ def prepare_params(
     check_heads(cfg, tp)
     p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
     p = fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
-    return matmul_weights(p, blocked=blocked)
+    return matmul_weights(p, blocked=blocked, ffn=cfg.intermediate_size)
 
 
 # Every [in, out] weight a matmul kernel reads (layer leaves are stacked on L): not norms,
@@ -225,15 +225,22 @@ MATMUL_WEIGHTS = frozenset(
 ROW_PARALLEL = frozenset({"wo", "w_down"})  # reduced by the tree matmul in "tp" mode
 
 
-def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
+# The FFN weights `pad_params` pads, and which of their extents (live_n: columns, live_k: rows)
+# is the true FFN width: blocked, the zero blocks past it are not held (xla_blocked.block_weight).
+FFN_LIVE = {"w_gate": "live_n", "w_up": "live_n", "w_down": "live_k"}
+
+
+def matmul_weights(params: dict, *, blocked: bool = False, ffn: int | None = None) -> dict:
     """The matmul weights as the kernels here take them: on the xla_fixed CPU path float32
     copies of 16-bit weights (`_platform.matmul_weight_dtype`), made once here instead of by XLA
     in every step, and with `blocked` ("tp" mode on one device) cut into the blocks of their
     fixed-shape dots (`xla_fixed.BlockedWeight`: BIO blocks for the column weights, the tree's
     leaves for o_proj/down_proj), so no step copies a weight; blocked bf16 weights are held as
     their bits and widened to f32 in the step, a group of blocks at a time (half the bytes read;
-    pallas_kernels/xla_blocked.py). Same dots, same bits as the unblocked f32 weights, which
-    every TP size > 1 runs. Unchanged on a GPU."""
+    pallas_kernels/xla_blocked.py); with `ffn` (the unpadded FFN width) the FFN blocks wholly in
+    `pad_params`' zero padding are not held and their dots not run (an exact zero takes each
+    skipped leaf's place in the tree: 25 % of the embedded model's MLP work). Same dots, same
+    bits as the unblocked f32 weights, which every TP size > 1 runs. Unchanged on a GPU."""
     from pallas_kernels import _platform
 
     blocked = blocked and _platform.xla_fixed_default()
@@ -255,10 +262,13 @@ def matmul_weights(params: dict, *, blocked: bool = False) -> dict:
         compute = dtype if w.dtype == jnp.bfloat16 and dtype == jnp.float32 else None
         w = w if compute is not None else w.astype(dtype)
         k = w.shape[-2]
+        live = {FFN_LIVE[name]: ffn} if ffn is not None and name in FFN_LIVE else {}
         if name in ROW_PARALLEL:  # the activations (bf16/f16/f32) promote to `dtype`
             tree = tree_plan(k, dtype)
-            return block_weight(w, num_leaves=tree.num_leaves, leaf_k=tree.leaf_k, compute=compute)
-        return block_weight(w, num_leaves=1, leaf_k=k, compute=compute)
+            return block_weight(
+                w, num_leaves=tree.num_leaves, leaf_k=tree.leaf_k, compute=compute, **live
+            )
+        return block_weight(w, num_leaves=1, leaf_k=k, compute=compute, **live)
 
     out = {k: conv(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {k: conv(k, v) for k, v in params["layers"].items()}

@@ -103,11 +103,12 @@ def _combine_pairwise(parts: list[jax.Array]) -> jax.Array:
     return level[0]
 
 
-def block_weight(w, *, num_leaves: int, leaf_k: int, compute=None) -> BlockedWeight:
+def block_weight(w, *, num_leaves: int, leaf_k: int, compute=None, **live) -> BlockedWeight:
     """w[..., K, N] as the blocks of `tree_subtree(leaf_k=leaf_k, num_leaves=num_leaves)`'s dots
-    (`xla_blocked.block_weight` with this plan's BN; num_leaves=1, leaf_k=K: the BIO matmul's)."""
+    (`xla_blocked.block_weight` with this plan's BN; num_leaves=1, leaf_k=K: the BIO matmul's;
+    `live`: its live_k / live_n, the extent past which the weight is zero padding)."""
     return xla_blocked.block_weight(
-        w, num_leaves=num_leaves, leaf_k=leaf_k, bn=BN, compute=compute
+        w, num_leaves=num_leaves, leaf_k=leaf_k, bn=BN, compute=compute, **live
     )
 
 
@@ -136,14 +137,16 @@ def tree_subtree(
     dims = (((3,), (2,)), ((0, 1), (0, 1)))  # batch (leaf, n block); contract leaf_k
 
     def products(w4: jax.Array) -> jax.Array:  # [leaf, g, leaf_k, BN] -> [m blocks, BM, g*BN]
-        g = w4.shape[1]
+        live, g = w4.shape[:2]  # leaves past `live` are zero blocks (xla_blocked: not held)
 
         def block(x: jax.Array) -> jax.Array:  # x [leaf, BM, leaf_k] -> [BM, g*BN] f32
-            xb = jnp.broadcast_to(x[:, None], (num_leaves, g, BM, leaf_k))
+            xb = jnp.broadcast_to(x[:live, None], (live, g, BM, leaf_k))
             parts = lax.dot_general(
                 xb, w4, dims, precision=precision, preferred_element_type=jnp.float32
             )  # [leaf, g, BM, BN]
-            acc = _combine_pairwise([parts[i] for i in range(num_leaves)])
+            zero = jnp.zeros_like(parts[0])  # a zero block's dot, in its place of the tree
+            acc = _combine_pairwise([parts[i] for i in range(live)]
+                                    + [zero] * (num_leaves - live))  # fmt: skip
             return acc.transpose(1, 0, 2).reshape(BM, g * BN)
 
         return lax.map(block, a4)

@@ -360,3 +360,48 @@ def test_only_bf16_weights_are_held_as_bits_and_at_layer_needs_stacked_blocks():
                        leaf_k=256, compute=jnp.float32)  # fmt: skip
     with pytest.raises(ValueError, match="at_layer needs stacked blocks"):
         one.at_layer(jnp.int32(0))
+
+
+def test_ffn_padding_blocks_skipped_give_the_padded_weights_bits():
+    """jdet/plan.py holds the padded FFN weights (F 768 -> 1024 for the TP tree) without the zero
+    blocks past F (`live_n` for gate/up columns, `live_k` for down_proj's tree leaves): the
+    products must be bitwise those of the padded f32 arrays, which TP > 1 runs whole. Random
+    activations in the padded columns too (the kernel must not read them)."""
+    from pallas_kernels.tree_matmul import tree_plan
+    from pallas_kernels.xla_fixed import block_weight
+
+    f, f_pad = 768, 1024
+    gate = np.array(_rand(16, (3, 256, f_pad), jnp.bfloat16, 0.1))
+    gate[..., f:] = 0
+    down = np.array(_rand(17, (3, f_pad, 256), jnp.bfloat16, 0.1))
+    down[..., f:, :] = 0
+    plan = tree_plan(f_pad, jnp.float32)
+    held = {
+        "bio": block_weight(gate, num_leaves=1, leaf_k=256, compute=jnp.float32, live_n=f),
+        "tree": block_weight(down, num_leaves=plan.num_leaves, leaf_k=plan.leaf_k,
+                             compute=jnp.float32, live_k=f),
+    }  # fmt: skip
+    assert held["bio"].blocks.shape[-3] == f // 128 and held["bio"].shape == (3, 256, f_pad)
+    assert held["tree"].blocks.shape[-4] == f // plan.leaf_k < plan.num_leaves
+    for kind, w in (("bio", gate), ("tree", down)):
+        k = w.shape[-2]
+        a = _rand(18, (37, k), jnp.bfloat16)
+        layer_in_place = _in_place(MM[kind])
+        for layer in (0, 2):
+            f32 = np.asarray(w[layer], np.float32)
+            for m in (1, 8, 37):
+                want = np.asarray(MM[kind](a[:m], f32, jnp.float32))
+                got = layer_in_place(a[:m], held[kind], jnp.int32(layer))
+                assert np.array_equal(np.asarray(got), want), (kind, layer, m)
+    # control: the same skipping on a weight whose tail is not zero (cut by jnp, which cannot
+    # check it) drops real blocks, and the comparison sees it
+    down_full = _rand(19, (1024, 256), jnp.bfloat16, 0.1)
+    skipped = block_weight(down_full, num_leaves=plan.num_leaves, leaf_k=plan.leaf_k, live_k=f)
+    a = _rand(20, (8, 1024), jnp.bfloat16)
+    want = MM["tree"](a, down_full.astype(jnp.float32), jnp.float32)
+    got = MM["tree"](a, skipped, jnp.float32)
+    assert not np.array_equal(np.asarray(got), np.asarray(want))
+    # ... and a numpy weight whose skipped part is not zero is refused by name
+    with pytest.raises(ValueError, match="are not zero"):
+        block_weight(np.asarray(down_full), num_leaves=plan.num_leaves, leaf_k=plan.leaf_k,
+                     live_k=f)  # fmt: skip
