@@ -96,6 +96,7 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0,
     last page."""
     from jdet.batch import StepBatch
     from jdet.step import SamplingInputs
+    from serving.sampler_variants import for_step
 
     b = np.arange(batch, dtype=np.int32)
     used = pages_used(ctx)
@@ -113,8 +114,10 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0,
     sb = StepBatch(tok, pos, slot, np.arange(batch + 1, dtype=np.int32),
                    np.full(batch, ctx, np.int32), pt, b.copy())  # fmt: skip
     z = np.zeros(batch, np.float32)
-    si = SamplingInputs(temperature=z, top_k=np.zeros(batch, np.int32), top_p=z + 1,
-                        seed=np.zeros(batch, np.uint32), position=pos[:batch] + 1)  # fmt: skip
+    k = np.zeros(batch, np.int32)
+    # greedy rows: the sampler variant the engine runs for them (serving/sampler_variants.py)
+    si = SamplingInputs(temperature=z, top_k=k, top_p=z + 1, seed=np.zeros(batch, np.uint32),
+                        position=pos[:batch] + 1, **for_step(k, z + 1, False))  # fmt: skip
     return sb, si
 
 

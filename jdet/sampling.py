@@ -59,15 +59,51 @@ class LogitsInputs:
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (more are refused at the boundary)
 
 
+def _static(default: object) -> dataclasses.Field:
+    """A field that is part of the pytree's structure, not a leaf: a jit cache key."""
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInputs:
+    """A step's sampling rows, and two static flags that pick the sampler's variant.
+
+    Why the flags: on a GPU the top-k/top-p filter cannot be skipped at run time for free
+    (`_top_k_top_p`), and the top-`NUM_TOP` log-probs are a `top_k` over the vocabulary; a step
+    whose rows ask for neither pays for both (8B batch-1 decode on an H100: ~0.1-0.2 ms of a
+    7.6 ms step; BENCHMARKS.md run 7). So the caller says, statically, whether any row of the
+    step filters (`filter_topk_topp`) and how many top log-probs the step returns
+    (`top_logprobs`: 0 or NUM_TOP, two buckets so few executables compile; serving/
+    sampler_variants.py picks them per step and warm-up compiles each). A row's token and
+    log-prob are the same bits in every variant that serves it: a row that does not filter
+    keeps its logits whether the filter ran for other rows or not (a select, or a cond that
+    returns them), and the chosen token's log-prob is read from the same log_softmax
+    (tests/jdet/test_sampler_variants.py). The defaults are the full sampler."""
+
     temperature: jax.Array  # f32[N]; 0 = greedy
     top_k: jax.Array  # i32[N]; 0 = off
     top_p: jax.Array  # f32[N]; 1 = off
     seed: jax.Array  # u32[N]
     position: jax.Array  # i32[N]: position the sampled token will occupy
     logits: LogitsInputs | None = None  # per-request transforms; None: none in this step
+    # False: no row filters (every top_k is 0 and every top_p 1); the filter is not built, so a
+    # row that asks would not be filtered: the caller's promise (serving/sampler_variants.py)
+    filter_topk_topp: bool = _static(True)
+    # top log-probs per row in SampleOut: NUM_TOP, or 0 (top_ids/top_logprobs are [N, 0])
+    top_logprobs: int = _static(NUM_TOP)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.filter_topk_topp, bool):
+            raise TypeError(
+                f"SamplingInputs.filter_topk_topp must be a bool, got {self.filter_topk_topp!r}"
+            )
+        if self.top_logprobs not in (0, NUM_TOP) or isinstance(self.top_logprobs, bool):
+            raise ValueError(
+                f"SamplingInputs.top_logprobs must be 0 or NUM_TOP ({NUM_TOP}), got "
+                f"{self.top_logprobs!r}: the step computes either no top log-probs or "
+                f"{NUM_TOP} (a request's fewer are cut on the host)"
+            )
 
 
 @jax.tree_util.register_dataclass
@@ -75,8 +111,8 @@ class SamplingInputs:
 class SampleOut:
     tokens: jax.Array  # i32[N]
     logprobs: jax.Array  # f32[N]
-    top_ids: jax.Array  # i32[N, NUM_TOP]
-    top_logprobs: jax.Array  # f32[N, NUM_TOP]
+    top_ids: jax.Array  # i32[N, NUM_TOP], or [N, 0] (SamplingInputs.top_logprobs = 0)
+    top_logprobs: jax.Array  # f32[N, NUM_TOP], or [N, 0]
 
 
 def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
@@ -149,7 +185,8 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops
     copies the predicate back and so waits for the whole forward before it can launch the sampler
     — every step became synchronous (profile in BENCHMARKS.md, issue 11). There the filter runs
     for every step (one sort of the [N, V] logits: ≈ 40 µs at N = 1, V = 128k) and rows that do
-    not ask keep their logits through a select: the same bits either way."""
+    not ask keep their logits through a select: the same bits either way. A step none of whose
+    rows filters does not build it at all (`SamplingInputs.filter_topk_topp`, static)."""
     from pallas_kernels import _platform
 
     if _platform.platform() != "gpu":
@@ -208,7 +245,8 @@ def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     scaled = logits / temp[:, None]
     if x is not None:
         scaled = _when(jnp.any(x.min_p > 0), lambda s: apply_min_p(s, x.min_p), scaled)
-    scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
+    if inp.filter_topk_topp:  # static: False when no row of the step filters
+        scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
     keys = row_keys(inp.seed, inp.position)
     V = logits.shape[-1]
 
@@ -220,7 +258,11 @@ def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     drawn = _draw_unless_greedy(draw, scaled, greedy, inp.temperature)
     tokens = jnp.where(inp.temperature > 0, drawn, greedy)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, min(NUM_TOP, V))
+    if inp.top_logprobs:  # static: 0 when no row of the step reports top log-probs
+        top_lp, top_ids = jax.lax.top_k(logp, min(inp.top_logprobs, V))
+    else:
+        top_lp = jnp.zeros((logp.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logp.shape[0], 0), jnp.int32)
     return SampleOut(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
 
 

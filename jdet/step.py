@@ -1,7 +1,9 @@
 """The jitted step functions the engine and the offline loop call (cache donated).
 
-One compile per shape (T, S, Pmax, N); the engine pads every step to one of a bounded set of
-shapes and compiles them all before it serves (serving/shapes.py `ShapeSet`).
+One compile per shape (T, S, Pmax, N) and sampler variant (SamplingInputs' static flags: the
+top-k/top-p filter and the top log-probs built or not); the engine pads every step to one of a
+bounded set of shapes, runs one of two variants (serving/sampler_variants.py) and compiles them
+all before it serves (serving/shapes.py `ShapeSet`).
 """
 
 from __future__ import annotations

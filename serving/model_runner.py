@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from serving import sampler_variants
 from serving.page_manager import cdiv
 from serving.sequence import Sequence
 from serving.shapes import ShapeSet
@@ -179,9 +180,11 @@ class ModelRunner:
             seed[r] = seq.seed
             spos[r] = np.arange(end - R[s], end) + 1  # where each sample goes
             r0 += R[s]
+        want_top = any(s.options.logprobs for s, _ in plan)
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
             logits=self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row),
+            **sampler_variants.for_step(top_k, top_p, want_top),  # the sampler this step needs
         )  # fmt: skip
         return batch, sampling
 
@@ -200,11 +203,11 @@ class ModelRunner:
                              [s.num_computed_tokens for s, _ in plan],
                              [s.page_table for s, _ in plan], self.page_size,
                              pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
-        temp, top_k, top_p, seed = rows
+        temp, top_k, top_p, seed, variant = rows
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
             position=batch.context_lens.copy(),  # the sampled token's position: last + 1
-            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size), **variant,
         )  # fmt: skip
         return batch, sampling
 
@@ -267,17 +270,18 @@ class ModelRunner:
                              [s.page_table for s, _ in plan], self.page_size,
                              pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
         batch.token_ids = tokens
-        temp, top_k, top_p, seed = rows
+        temp, top_k, top_p, seed, variant = rows
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
             position=batch.context_lens.copy(),
-            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
+            logits=self.logits_rows.neutral(Sp, Pp * self.page_size), **variant,
         )  # fmt: skip
         return batch, sampling
 
     def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
         """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
-        sequences, or None if one of them needs LogitsInputs. Kept for the last plan: a steady
+        sequences and its sampler variant (SamplingInputs keywords: serving/sampler_variants.py),
+        or None if one of them needs LogitsInputs. Kept for the last plan: a steady
         decode dispatches the same sequences step after step, and a sequence's options and seed
         never change, so the arrays are built once, not once a step (the step only reads them:
         never written after they are built)."""
@@ -291,14 +295,19 @@ class ModelRunner:
                    np.array([o.top_k for o in opts] + pad, np.int32),
                    np.array([o.top_p for o in opts] + [1] * (Sp - S), np.float32),
                    np.array([s.seed for s, _ in plan] + pad, np.uint32))  # fmt: skip
+            val += (sampler_variants.for_step(val[1], val[2], any(o.logprobs for o in opts)),)
         self._ahead_key, self._ahead_val = key, val
         return val
 
-    def warmup_batch(self, shape: tuple[int, int, int], kind: str = "step") -> tuple[Any, Any]:
+    def warmup_batch(
+        self, shape: tuple[int, int, int], kind: str = "step",
+        variant: sampler_variants.Variant = sampler_variants.FULL,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """A junk batch of `shape` (T, S, Pmax) that writes no K/V (every slot -1), so warming
         up never touches a page the prefix cache or a running sequence holds. One sequence of
         min(T, Pmax * B) tokens; the rest is padding. For "score" the second item is the
-        targets [T], for "step" the SamplingInputs [S] (top-p on, so nothing is left out)."""
+        targets [T], for "step" the SamplingInputs [S] of the sampler `variant` (top-p on where
+        the variant filters, so nothing is left out)."""
         from jdet.batch import StepBatch
         from jdet.step import SamplingInputs
 
@@ -321,20 +330,24 @@ class ModelRunner:
         sampling = SamplingInputs(
             temperature=z + 1,
             top_k=np.zeros(Sp, np.int32),
-            top_p=z + 0.9,
+            top_p=z + (0.9 if variant.filter_topk_topp else 1.0),
             seed=np.zeros(Sp, np.uint32),
             position=cl.copy(),
             logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
+            **variant.fields(),
         )
         return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling
 
     def warmup(self, kind: str = "step", progress: bool = True, should_stop: Any = None) -> float:
         """Compile (or load from the persistent cache) `kind` ("step" or "score") for every shape
-        of the set, running each once on a junk batch that writes nothing: safe at any time.
-        Shows a tqdm bar naming shape k of n and the seconds taken. Returns the seconds."""
+        of the set — a step for each sampler variant a step may run (serving/sampler_variants.py)
+        — running each once on a junk batch that writes nothing: safe at any time. Shows a tqdm
+        bar naming shape k of n and the seconds taken. Returns the seconds."""
         from jdet import exec_cache
 
-        shapes = self.shapes.all()
+        variants = sampler_variants.VARIANTS if kind == "step" else (sampler_variants.FULL,)
+        ns = len(self.shapes.all())
+        shapes = [(s, v) for s in self.shapes.all() for v in variants]  # executables to make
         fn = self.score_step() if kind == "score" else self.step_fn
         bar = None
         if progress:
@@ -343,11 +356,11 @@ class ModelRunner:
             bar = tqdm(total=len(shapes), desc=f"jdet: compiling {kind} shapes", unit="shape")
         t_all = time.perf_counter()
         try:
-            for k, shape in enumerate(shapes):
+            for k, (shape, variant) in enumerate(shapes):
                 if should_stop is not None and should_stop():
                     break
                 t0 = time.perf_counter()
-                batch, extra = self.warmup_batch(shape, kind)
+                batch, extra = self.warmup_batch(shape, kind, variant)  # (score: no variant)
                 if kind == "step":
                     batch = self.place_tokens(batch)
                 exec_cache.prepare(fn, self.params, self.kv, batch, extra)  # load, or compile
@@ -361,8 +374,9 @@ class ModelRunner:
                 if bar is not None:
                     T, S, P = shape
                     bar.set_postfix_str(
-                        f"shape {k + 1}/{len(shapes)} T={T} S={S} Pmax={P}: "
-                        f"{time.perf_counter() - t0:.1f}s"
+                        f"shape {k // len(variants) + 1}/{ns} T={T} S={S} Pmax={P}"
+                        + (f" {variant.name} sampler" if kind == "step" else "")
+                        + f": {time.perf_counter() - t0:.1f}s"
                     )
                     bar.update(1)
         finally:
@@ -392,6 +406,9 @@ class ModelRunner:
     @staticmethod
     def fetch(out: Any, num_rows: int, want_top: bool) -> dict[str, np.ndarray]:
         """Block on a dispatched step and bring its first `num_rows` samples to the host."""
+        if want_top and out.top_ids.shape[-1] == 0:  # serving/sampler_variants.py: never
+            raise RuntimeError("the step ran the sampler variant without top log-probs, but a "
+                               "sequence of it asked for them")  # fmt: skip
         names = ["tokens", "logprobs"] + (["top_ids", "top_logprobs"] if want_top else [])
         arrays = [getattr(out, k) for k in names]
         # What jax.device_get does (start every copy, then wait for each), without its per-leaf

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import Engine
+from serving.sampler_variants import FULL, LEAN
 
 SETTINGS = dict(
     invariance="tp", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, page_size=8,
@@ -49,7 +50,10 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model):
 
     def rows(order):
         plan = [(seqs[i], 1) for i in order]
-        return [np.asarray(a).copy() for a in r._ahead_rows(plan, 4)]
+        *arrays, variant = r._ahead_rows(plan, 4)  # and the step's sampler variant
+        # the variant of its rows: only the greedy sequence alone needs no top-k/top-p filter
+        assert variant == (LEAN if order == [1] else FULL).fields(), order
+        return [np.asarray(a).copy() for a in arrays]
 
     def expect(order):
         o = [seqs[i].options for i in order]

@@ -1,0 +1,117 @@
+"""The engine picks the sampler variant of each step from its rows (serving/sampler_variants.py):
+the lean one (no top-k/top-p filter, no top log-probs) when no row needs either, else the full
+one. A request's tokens, log-probs and top log-probs are bitwise the same alone (its own
+variant) and batched with requests that need the other (np.array_equal), greedy and seeded,
+synchronous and asynchronous (ahead) steps, with the variant switching mid-generation.
+
+Negative control: a policy that runs every step lean (the filter dropped for a top-p row) makes
+the top-p request's output differ from its own; a step that drops the top log-probs a request
+asked for is refused by name rather than answered without them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving import sampler_variants
+from serving.engine import Engine
+from serving.faults import EngineStepError
+from serving.sampler_variants import FULL, LEAN
+
+# Shapes T 16 and 32, S 16 (a decode step's S bucket = its T bucket: it can go ahead), Pmax 8.
+SETTINGS = dict(
+    invariance="tp", max_num_batched_tokens=32, max_num_seqs=16, max_model_len=64, page_size=8,
+    num_pages=48, min_tokens_bucket=16, min_pages_bucket=8,
+)  # fmt: skip
+
+
+def requests(vocab: int) -> dict[str, tuple[list[int], dict]]:
+    rng = np.random.default_rng(3)
+    p = [rng.integers(1, vocab, n).tolist() for n in (5, 12, 3, 9, 7)]
+    common = dict(ignore_eos=True, max_tokens=12)
+    return {
+        "greedy": (p[0], dict(common, temperature=0.0)),
+        "temperature": (p[1], dict(common, temperature=0.9, seed=3)),
+        # these two end early: the batched run's later steps need neither (lean)
+        "top_p": (p[2], dict(common, temperature=1.0, top_p=0.8, top_k=30, seed=4, max_tokens=5)),
+        "top_logprobs": (p[3], dict(common, temperature=0.7, seed=5, logprobs=4, max_tokens=6)),
+        "logprobs_only": (p[4], dict(common, temperature=1.0, seed=6, logprobs=0)),
+    }
+
+
+def spy(eng: Engine) -> list[sampler_variants.Variant]:
+    """Record the variant of every step the engine dispatches."""
+    seen: list[sampler_variants.Variant] = []
+    inner = eng.runner.step_fn
+
+    def step(params, kv, batch, sampling):  # noqa: ANN001, ANN202
+        seen.append(sampler_variants.Variant(sampling.filter_topk_topp, sampling.top_logprobs))
+        return inner(params, kv, batch, sampling)
+
+    eng.runner.step_fn = step
+    return seen
+
+
+def run(eng: Engine, reqs: dict) -> dict:
+    for rid, (ids, params) in reqs.items():
+        eng.add_request(rid, ids, params)
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    out = {}
+    for rid, o in final.items():
+        c = o.outputs[0]
+        out[rid] = (list(c.token_ids), np.asarray(c.logprobs, np.float32), c.top_logprobs)
+    return out
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+@pytest.fixture(scope="module")
+def engine(serving_model) -> Engine:
+    return Engine(serving_model, **SETTINGS, async_scheduling=True)
+
+
+def test_a_request_has_the_same_bits_in_every_variant_that_serves_it(engine: Engine) -> None:
+    reqs = requests(engine.cfg.vocab_size)
+    seen = spy(engine)
+    alone, used = {}, {}
+    for rid, r in reqs.items():
+        seen.clear()
+        alone[rid] = run(engine, {rid: r})[rid]
+        used[rid] = set(seen)
+    assert used["greedy"] == used["temperature"] == used["logprobs_only"] == {LEAN}
+    assert used["top_p"] == used["top_logprobs"] == {FULL}
+    assert alone["top_logprobs"][2] is not None and len(alone["top_logprobs"][2][0]) == 4
+    for async_scheduling in (True, False):
+        engine.async_scheduling = async_scheduling
+        ahead0 = engine.num_steps_ahead
+        seen.clear()
+        batched = run(engine, reqs)
+        assert set(seen) == {LEAN, FULL} and seen[0] == FULL and seen[-1] == LEAN
+        assert (engine.num_steps_ahead > ahead0) == async_scheduling
+        for rid in reqs:
+            assert same(batched[rid], alone[rid]), (rid, async_scheduling)
+    engine.async_scheduling = True
+
+
+def test_negative_control_a_step_run_lean_for_a_top_p_row_changes_its_bits(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reqs = requests(engine.cfg.vocab_size)
+    keep = ("greedy", "temperature", "top_p")
+    want = run(engine, {rid: reqs[rid] for rid in keep})
+    monkeypatch.setattr(sampler_variants, "for_step", lambda *a: LEAN.fields())  # broken
+    got = run(engine, {rid: reqs[rid] for rid in keep})
+    assert same(got["greedy"], want["greedy"]) and same(got["temperature"], want["temperature"])
+    assert not same(got["top_p"], want["top_p"])
+    # top log-probs asked for but not computed: refused, never answered without them
+    engine.add_request("no-top", *reqs["top_logprobs"])
+    with pytest.raises(EngineStepError, match="without top log-probs"):
+        while engine.has_unfinished():
+            engine.step()
