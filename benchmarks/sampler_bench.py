@@ -66,23 +66,29 @@ def sampler_rows(vocab: int, batch: int, mode: str, reps: int) -> dict:
     fn = jax.jit(lambda lg, inp: sample(lg, inp, ops), compiler_options=xla_options(ops) or None)
     lg = jax.random.normal(jax.random.PRNGKey(0), (batch, vocab), jnp.float32) * 3
     z = np.zeros(batch, np.float32)
-    base = jax.device_put(SamplingInputs(z, np.zeros(batch, np.int32), z + 1,
-                                         np.zeros(batch, np.uint32), np.zeros(batch, np.int32)))
+    base = jax.device_put(
+        SamplingInputs(
+            z,
+            np.zeros(batch, np.int32),
+            z + 1,
+            np.zeros(batch, np.uint32),
+            np.zeros(batch, np.int32),
+        )
+    )
     inputs = {"full": dataclasses.replace(base, **FULL.fields()),
               "lean": dataclasses.replace(base, **LEAN.fields())}  # fmt: skip
     return _alternate({k: _timed(lambda i=i: fn(lg, i), 20) for k, i in inputs.items()}, reps)
 
 
 def device_rows(runner: Any, batch: int, ctx: int, reps: int) -> dict:
-    import jax
-
     from benchmarks.decode_bench import decode_inputs, pages_for
     from serving.sampler_variants import FULL, LEAN
 
+    # host arrays, as the engine passes them (its step packs them: serving/host_inputs.py)
     sb, si = decode_inputs(runner.cfg, batch, ctx, pages_for(ctx, 32))
-    sb = jax.device_put(sb)
-    inputs = {"full": jax.device_put(dataclasses.replace(si, **FULL.fields())),
-              "lean": jax.device_put(dataclasses.replace(si, **LEAN.fields()))}  # fmt: skip
+    sb = runner.place_tokens(sb)
+    inputs = {"full": dataclasses.replace(si, **FULL.fields()),
+              "lean": dataclasses.replace(si, **LEAN.fields())}  # fmt: skip
 
     def step(si: Any) -> Any:
         runner.kv, out = runner.step_fn(runner.params, runner.kv, sb, si)
@@ -144,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"args": vars(a), "device": jax.devices()[0].device_kind,
                  "load_avg": os.getloadavg(), "rows": []}  # fmt: skip
     model = load(a.shape, a.ctx + a.steps + 64)
-    eng = make_engine(model, a.mode, a.ctx + a.steps + 64,
-                      max(batches) * pages_used(a.ctx) + pages_for(a.ctx, a.steps) + 8)
+    eng = make_engine(
+        model,
+        a.mode,
+        a.ctx + a.steps + 64,
+        max(batches) * pages_used(a.ctx) + pages_for(a.ctx, a.steps) + 8,
+    )
     for b in batches:
         row = {"batch": b, "sampler": sampler_rows(model.cfg.vocab_size, b, a.mode, a.reps),
                "device": device_rows(eng.runner, b, a.ctx, a.reps)}  # fmt: skip
