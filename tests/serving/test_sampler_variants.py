@@ -19,10 +19,11 @@ from serving.engine import Engine
 from serving.faults import EngineStepError
 from serving.sampler_variants import FULL, LEAN
 
-# Shapes T 16 and 32, S 16 (a decode step's S bucket = its T bucket: it can go ahead), Pmax 8.
+# One shape: T = S = 32 (a decode step's S bucket = its T bucket: it can go ahead), Pmax 8; so
+# two executables, lean and full.
 SETTINGS = dict(
-    invariance="tp", max_num_batched_tokens=32, max_num_seqs=16, max_model_len=64, page_size=8,
-    num_pages=48, min_tokens_bucket=16, min_pages_bucket=8,
+    invariance="tp", max_num_batched_tokens=32, max_num_seqs=32, max_model_len=64, page_size=8,
+    num_pages=48, min_tokens_bucket=32, min_pages_bucket=8,
 )  # fmt: skip
 
 
