@@ -215,9 +215,11 @@ def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
     "tp" runtime once built a fresh jitted step per engine, costing minutes per engine on a GPU."""
     a, b = make_engine(serving_model, mode), make_engine(serving_model, mode, budget=16)
 
-    def jitted(fn):  # each runner wraps the shared jit in its own executable-cache front
-        from jdet.exec_cache import CachedFn
+    def jitted(fn):  # each runner wraps the shared jit in its own fronts: the executable
+        from jdet.exec_cache import CachedFn  # cache's, and the step's packed host inputs'
+        from serving.host_inputs import PackedStep
 
+        fn = fn.fn if isinstance(fn, PackedStep) else fn
         return fn.fn if isinstance(fn, CachedFn) else fn
 
     assert jitted(a.runner.step_fn) is jitted(b.runner.step_fn)
