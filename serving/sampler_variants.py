@@ -6,8 +6,9 @@ filter: on a GPU a sort of the [S, V] logits every step, ~0.085 ms at S = 1, V =
 run any variant that *covers* its rows (filter on if some row has top_k > 0 or top_p < 1; top
 log-probs if some request asked for them), with the same bits for every row (jdet/sampling.py
 says why; tests/jdet/test_sampler_variants.py checks it). Each variant is another executable
-per step shape, so the engine runs only the variants of `VARIANTS` and warm-up compiles exactly
-those: a step takes the first (cheapest) that covers it.
+per step shape, so the engine runs only the variants of `engine_variants()` (both on a GPU, FULL
+alone on a CPU) and warm-up compiles exactly those: a step takes the first (cheapest) that covers
+it.
 
 Why two, not all four: every variant multiplies the executables warm-up compiles (~5 s a shape
 on a CPU for the embedded model, ~3 s on an H100 for an 8B model). "lean" serves what needs
@@ -51,7 +52,22 @@ class Variant:
 LEAN_FIELDS, FULL_FIELDS = (False, 0), (True, NUM_TOP)
 LEAN = Variant(*LEAN_FIELDS)
 FULL = Variant(*FULL_FIELDS)
-VARIANTS: tuple[Variant, ...] = (LEAN, FULL)  # cheapest first; FULL last: it covers any step
+# The variants the engine runs, cheapest first, FULL last (it covers any step); None: by platform
+# (`engine_variants`). Tests set it to run both variants on a CPU.
+VARIANTS: tuple[Variant, ...] | None = None
+
+
+def engine_variants() -> tuple[Variant, ...]:
+    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator, (FULL,) on a CPU. Why not
+    LEAN on a CPU: there it saves ~0.03 ms of a ~5 ms step of the embedded model (sampler alone
+    0.161 -> 0.134 ms at batch 1), while warm-up compiles every shape once per variant (cold
+    warm-up 1.5-1.8x on the 2-core machine, BENCHMARKS "the sampler's lean variant"), and a CPU
+    is where compile time hurts (issue 17). On a GPU the sort it skips is ~0.085 ms a step."""
+    if VARIANTS is not None:
+        return VARIANTS
+    from pallas_kernels import _platform
+
+    return (FULL,) if _platform.platform() == "cpu" else (LEAN, FULL)
 
 
 def needs_filter(top_k: np.ndarray, top_p: np.ndarray) -> bool:
@@ -60,11 +76,12 @@ def needs_filter(top_k: np.ndarray, top_p: np.ndarray) -> bool:
 
 
 def choose(needs_filter: bool, needs_top: bool) -> Variant:
-    """The first variant of `VARIANTS` that covers a step with these needs."""
-    for v in VARIANTS:
+    """The first variant of `engine_variants()` that covers a step with these needs."""
+    variants = engine_variants()
+    for v in variants:
         if v.covers(needs_filter, needs_top):
             return v
-    raise AssertionError(f"no sampler variant in {VARIANTS} covers filter={needs_filter}, "
+    raise AssertionError(f"no sampler variant in {variants} covers filter={needs_filter}, "
                          f"top log-probs={needs_top}")  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """The step shapes an engine runs (`ShapeSet`) and the default size of its KV page pool.
 
-Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once, and a
-compile costs seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
+Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once per
+sampler variant (serving/sampler_variants.py: two on a GPU, one on a CPU), and a compile costs
+seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
 runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
 - T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
   last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU from 8: 7 buckets,

@@ -73,8 +73,17 @@ def same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def both_variants():
+    """On a CPU the engine runs FULL alone (`engine_variants` says why); these tests run both."""
+    old = sampler_variants.VARIANTS
+    sampler_variants.VARIANTS = (LEAN, FULL)
+    yield
+    sampler_variants.VARIANTS = old
+
+
 @pytest.fixture(scope="module")
-def engine(serving_model) -> Engine:
+def engine(serving_model, both_variants) -> Engine:
     return Engine(serving_model, **SETTINGS, async_scheduling=True)
 
 
