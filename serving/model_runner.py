@@ -107,6 +107,8 @@ class ModelRunner:
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
         self._ahead_key: tuple | None = None  # prepare_ahead's sampling rows of the last plan
+        # the sampler variants steps may run; warm-up narrows them on a CPU (sampler_variants.py)
+        self.variants = sampler_variants.engine_variants()
         self._ahead_val: tuple | None = None
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
@@ -183,7 +185,7 @@ class ModelRunner:
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
             logits=self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row),
-            **sampler_variants.for_step(top_k, top_p, want_top),  # the sampler this step needs
+            **sampler_variants.for_step(top_k, top_p, want_top, self.variants),  # its sampler
         )  # fmt: skip
         return batch, sampling
 
@@ -294,7 +296,8 @@ class ModelRunner:
                    np.array([o.top_k for o in opts] + pad, np.int32),
                    np.array([o.top_p for o in opts] + [1] * (Sp - S), np.float32),
                    np.array([s.seed for s, _ in plan] + pad, np.uint32))  # fmt: skip
-            val += (sampler_variants.for_step(val[1], val[2], any(o.logprobs for o in opts)),)
+            want_top = any(o.logprobs for o in opts)
+            val += (sampler_variants.for_step(val[1], val[2], want_top, self.variants),)
         self._ahead_key, self._ahead_val = key, val
         return val
 

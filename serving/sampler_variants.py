@@ -7,8 +7,8 @@ run any variant that *covers* its rows (filter on if some row has top_k > 0 or t
 log-probs if some request asked for them), with the same bits for every row (jdet/sampling.py
 says why; tests/jdet/test_sampler_variants.py checks it). Each variant is another executable
 per step shape, so the engine runs only the variants of `engine_variants()` (both on a GPU, FULL
-alone on a CPU) and warm-up compiles exactly those: a step takes the first (cheapest) that covers
-it.
+alone on a CPU once warmed up) and warm-up compiles exactly those: a step takes the first
+(cheapest) that covers it.
 
 Why two, not all four: every variant multiplies the executables warm-up compiles (~5 s a shape
 on a CPU for the embedded model, ~3 s on an H100 for an 8B model). "lean" serves what needs
@@ -57,17 +57,22 @@ FULL = Variant(*FULL_FIELDS)
 VARIANTS: tuple[Variant, ...] | None = None
 
 
-def engine_variants() -> tuple[Variant, ...]:
-    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator, (FULL,) on a CPU. Why not
-    LEAN on a CPU: there it saves ~0.03 ms of a ~5 ms step of the embedded model (sampler alone
-    0.161 -> 0.134 ms at batch 1), while warm-up compiles every shape once per variant (cold
-    warm-up 1.5-1.8x on the 2-core machine, BENCHMARKS "the sampler's lean variant"), and a CPU
-    is where compile time hurts (issue 17). On a GPU the sort it skips is ~0.085 ms a step."""
+def engine_variants(warmed: bool = False) -> tuple[Variant, ...]:
+    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator; on a CPU (LEAN, FULL) for an
+    engine that compiles as it goes (`jdet generate`: its one executable is smaller lean, cold
+    generate 5.8-6.8 s full vs 4.9-5.7 s lean, load 0.5-1.7) and FULL alone once it warms up.
+    Why not LEAN after a CPU warm-up: there it saves ~0.03 ms of a ~5 ms embedded-model step
+    (sampler alone 0.161 -> 0.134 ms at batch 1), while warm-up compiles every shape once per
+    variant (cold warm-up 1.5-1.8x on the 2-core machine, BENCHMARKS "the sampler's lean
+    variant"), and a CPU is where compile time hurts (issue 17). On a GPU the sort it skips is
+    ~0.085 ms a step."""
     if VARIANTS is not None:
         return VARIANTS
     from pallas_kernels import _platform
 
-    return (FULL,) if _platform.platform() == "cpu" else (LEAN, FULL)
+    if warmed and _platform.platform() == "cpu":
+        return (FULL,)
+    return (LEAN, FULL)
 
 
 def needs_filter(top_k: np.ndarray, top_p: np.ndarray) -> bool:
@@ -75,9 +80,12 @@ def needs_filter(top_k: np.ndarray, top_p: np.ndarray) -> bool:
     return bool((top_k > 0).any() or (top_p < 1.0).any())
 
 
-def choose(needs_filter: bool, needs_top: bool) -> Variant:
-    """The first variant of `engine_variants()` that covers a step with these needs."""
-    variants = engine_variants()
+def choose(
+    needs_filter: bool, needs_top: bool, variants: tuple[Variant, ...] | None = None
+) -> Variant:
+    """The first variant of `variants` (default `engine_variants()`) that covers a step with
+    these needs."""
+    variants = variants or engine_variants()
     for v in variants:
         if v.covers(needs_filter, needs_top):
             return v
@@ -85,7 +93,11 @@ def choose(needs_filter: bool, needs_top: bool) -> Variant:
                          f"top log-probs={needs_top}")  # fmt: skip
 
 
-def for_step(top_k: np.ndarray, top_p: np.ndarray, want_top: bool) -> dict:
-    """SamplingInputs keyword arguments of the variant a step with these rows runs; `want_top`:
-    some sequence of the step reports top log-probs (`options.logprobs` > 0)."""
-    return choose(needs_filter(top_k, top_p), want_top).fields()
+def for_step(
+    top_k: np.ndarray, top_p: np.ndarray, want_top: bool,
+    variants: tuple[Variant, ...] | None = None,
+) -> dict:  # fmt: skip
+    """SamplingInputs keyword arguments of the variant a step with these rows runs (among the
+    engine's `variants`); `want_top`: some sequence of the step reports top log-probs
+    (`options.logprobs` > 0)."""
+    return choose(needs_filter(top_k, top_p), want_top, variants).fields()

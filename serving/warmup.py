@@ -62,7 +62,10 @@ def warmup(
     bar naming shape k of n and the seconds taken. Returns the seconds."""
     from jdet import exec_cache
 
-    variants = sampler_variants.engine_variants() if kind == "step" else (sampler_variants.FULL,)
+    if kind == "step":  # from now on the steps run only the variants compiled here
+        runner.variants = sampler_variants.engine_variants(warmed=True)
+        runner._ahead_key = None  # rows kept with a variant of the wider set
+    variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     ns = len(runner.shapes.all())
     shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
     fn = runner.score_step() if kind == "score" else runner.step_fn
