@@ -107,9 +107,9 @@ class ModelRunner:
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
         self._ahead_key: tuple | None = None  # prepare_ahead's sampling rows of the last plan
+        self._ahead_val: tuple | None = None
         # the sampler variants steps may run; warm-up narrows them on a CPU (sampler_variants.py)
         self.variants = sampler_variants.engine_variants()
-        self._ahead_val: tuple | None = None
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/host_inputs.py says why)
