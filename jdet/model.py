@@ -60,15 +60,24 @@ def layer_forward(
     ops: Ops,
     norms: dict,
     attn_meta: dict | None = None,
-) -> tuple[jax.Array, dict]:
+    h: jax.Array | None = None,
+    next_norm: jax.Array | None = None,
+) -> tuple[jax.Array, dict, jax.Array | None]:
     """One layer on x[T', D]. T' >= T = batch.num_tokens rows (`Ops.row_pad`): rows past T are
     padding that only the matmuls and norms see (attention, RoPE and the KV write take the
-    first T). `norms`: the stacked [L, D] norm weights (`NORMS`), indexed by `layer`."""
+    first T). `norms`: the stacked [L, D] norm weights (`NORMS`), indexed by `layer`.
+
+    Returns (x, kv, h_next). With `next_norm` (`Ops.fold_down_norm`: the stacked attention-norm
+    weights shifted by one layer, so that row `layer` is the next layer's), down_proj's combine,
+    the residual add and the next layer's attention norm run as one `residual_norm` and h_next
+    is that norm, which the next layer takes as `h` instead of normalising x itself (the same
+    arithmetic: one launch instead of two). Otherwise h_next is None."""
     T = batch.token_ids.shape[0]
     rows = x.shape[0]
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
-    h = ops.rms_norm(x, norms["attn_norm"], eps, layer)
+    if h is None:
+        h = ops.rms_norm(x, norms["attn_norm"], eps, layer)
     if ops.fused:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
         qkv = ops.matmul(h, lp["wqkv"])[:T]
@@ -106,8 +115,11 @@ def layer_forward(
         gate = ops.matmul(h, lp["w_gate"])
         up = ops.matmul(h, lp["w_up"])
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    if next_norm is not None:
+        x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer)
+        return x, kv, h_next
     x = x + ops.row_matmul(act, lp["w_down"])
-    return x, kv
+    return x, kv, None
 
 
 def embed(params: dict, token_ids: jax.Array) -> jax.Array:
@@ -141,17 +153,28 @@ def hidden_states(
     # xla_blocked.py) stay out of the scan's xs too: XLA CPU copies each scanned slice.
     in_place = {k: layers.pop(k) for k in list(layers) if hasattr(layers[k], "at_layer")}
 
+    # Down_proj's combine + residual add folded into the next layer's attention norm
+    # (`Ops.fold_down_norm`): layer 0's norm runs here, layer l computes layer l+1's, and the last
+    # layer's (of `next_norm`'s wrapped row 0) is discarded: the final norm stays in
+    # `logits_from_hidden`. The roll is one [L, D] copy a step, not one per layer.
+    h = next_norm = None
+    if ops.fold_down_norm():
+        h = ops.rms_norm(x, norms["attn_norm"], cfg.rms_norm_eps, jnp.int32(0))
+        next_norm = jnp.roll(norms["attn_norm"], -1, axis=0)
+
     def body(carry: tuple, xs: tuple) -> tuple:
-        x, kv = carry
+        x, h, kv = carry
         lp, layer = xs
         lp = {**lp, **{k: w.at_layer(layer) for k, w in in_place.items()}}
-        x, kv = layer_forward(lp, x, kv, layer, batch, cos, sin, cfg, ops, norms, meta)
-        return (x, kv), None
+        x, kv, h = layer_forward(
+            lp, x, kv, layer, batch, cos, sin, cfg, ops, norms, meta, h=h, next_norm=next_norm
+        )
+        return (x, h, kv), None
 
     # Not unrolled: with lax.scan(unroll=2 or 4) the 8B step took 16.8 ms instead of 7.5 on an
     # H100 (the weight slices are then copied out of the stack, not read in place).
     xs = (layers, jnp.arange(L, dtype=jnp.int32))
-    (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+    (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
     return kv, x[:T]
 
 

@@ -95,6 +95,9 @@ class Ops:
     # and only without a cross-device combine: make_tp_ops sets it for one shard only (there
     # `row_reduce` is the identity and is skipped).
     fuse_residual_norm: bool = True
+    # The same fold for down_proj: its combine, the residual add and the *next* layer's attention
+    # norm in one kernel (`fold_down_norm`; same bits).
+    fuse_down_norm: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -173,6 +176,17 @@ class Ops:
                 return add_rms_norm(x, parts, norm_w, eps, layer=layer)
         x = x + self.row_matmul(a, w)
         return x, self.rms_norm(x, norm_w, eps, layer)
+
+    def fold_down_norm(self) -> bool:
+        """Whether the model folds down_proj's combine + residual add into the next layer's
+        attention norm (jdet/model.py hidden_states): where `residual_norm` runs as one kernel
+        (Hopper's Mosaic tree matmul, "tp", one shard). Elsewhere the fold would only move the
+        norm and add a discarded one for the last layer."""
+        if not (self.fuse_down_norm and self.fuse_residual_norm and self.invariance == "tp"):
+            return False
+        from pallas_kernels.matmul import resolve_backend
+
+        return resolve_backend(None) == "mosaic"
 
     # -- attention over the paged cache ---------------------------------------------------------
     def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:

@@ -216,6 +216,34 @@ def test_padded_residual_stream_changes_no_bit():
     assert not np.array_equal(plain, bumped)
 
 
+class _FoldOps(Ops):
+    """Ops that fold down_proj's combine + add into the next layer's norm off Hopper too (there
+    `residual_norm` is its unfused fallback, so only the model's restructured scan is tested)."""
+
+    def fold_down_norm(self) -> bool:
+        return True
+
+
+class _MisfoldOps(_FoldOps):
+    """Control: the fold normalising with layer l's own weight instead of layer l+1's."""
+
+
+def test_down_norm_fold_changes_no_bit(monkeypatch):
+    mode = "tp"
+    cfg = tiny_cfg(num_layers=3)
+    params = tiny_params(cfg)  # random per-layer norm weights: a misindexed fold shows
+    ops = Plan(cfg, mode).ops()
+    assert not ops.fold_down_norm()  # off the Mosaic kernel the plain model runs
+    plain = _model_logits(ops, cfg, params)
+    folded = _model_logits(_FoldOps(mode, attn_partition=ops.attn_partition), cfg, params)
+    assert np.array_equal(plain, folded)
+    import jdet.model
+
+    monkeypatch.setattr(jdet.model.jnp, "roll", lambda a, shift, axis: a)
+    misfolded = _model_logits(_MisfoldOps(mode, attn_partition=ops.attn_partition), cfg, params)
+    assert not np.array_equal(plain, misfolded)
+
+
 # -- compiled on the GPU ---------------------------------------------------------------------
 class _UnfusedOps(Ops):
     """The step as it was: no hoisted attention operands, no padded residual stream (and, with
@@ -290,3 +318,6 @@ def test_gpu_residual_norm_fusion_changes_no_bit():
     old = _model_logits(dataclasses.replace(ops, fuse_residual_norm=False), cfg, params,
                         jnp.bfloat16)  # fmt: skip
     assert np.array_equal(new, old)
+    fold = dataclasses.replace(ops, fuse_down_norm=True)  # + down_proj folded into the next norm
+    assert fold.fold_down_norm()
+    assert np.array_equal(_model_logits(fold, cfg, params, jnp.bfloat16), old)
