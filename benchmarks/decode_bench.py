@@ -205,12 +205,38 @@ def row_for(model: Any, mode: str, batch: int, ctx: int, dev_s: float, ceil: dic
 
 
 def parse_variant(v: str) -> dict:
-    """'attn_partition=128' -> {'attn_partition': 128} ('+' joins several fields)."""
+    """'attn_partition=128' -> {'attn_partition': 128} ('+' joins several fields). A dotted key
+    ('pallas_kernels.rms_norm.UNROLL=0') names a module-level kernel knob (`module_knobs`)."""
     out = {}
     for kv in v.split("+"):
         k, val = kv.split("=")
         out[k] = int(val)
     return out
+
+
+class module_knobs:  # noqa: N801 - a context manager used like a function
+    """Set the dotted-key knobs of a variant (module attributes read when a kernel is traced)
+    for the variant's compile, and restore them after."""
+
+    def __init__(self, knobs: dict):
+        import importlib
+
+        self.items = []
+        for key, val in knobs.items():
+            mod, attr = key.rsplit(".", 1)
+            m = importlib.import_module(mod)
+            if not hasattr(m, attr):
+                raise ValueError(f"variant knob {key!r}: {mod} has no attribute {attr!r}")
+            self.items.append((m, attr, type(getattr(m, attr))(val)))
+
+    def __enter__(self):
+        self.saved = [(m, a, getattr(m, a)) for m, a, _ in self.items]
+        for m, a, v in self.items:
+            setattr(m, a, v)
+
+    def __exit__(self, *exc):
+        for m, a, v in self.saved:
+            setattr(m, a, v)
 
 
 def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: dict,
@@ -274,9 +300,14 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
             for v in a.variants:
                 ctx = min(a.ctx)
                 try:
-                    fn = make_tp_step(model.cfg, "tp", mesh, **parse_variant(v))
+                    fields = parse_variant(v)
+                    knobs = {k: fields.pop(k) for k in list(fields) if "." in k}
                     t0 = time.perf_counter()
-                    dev = device_step(runner, 1, ctx, a.steps, step_fn=fn)
+                    with module_knobs(knobs):
+                        # a knob is not part of make_tp_step's cache key: compile afresh
+                        make = make_tp_step.__wrapped__ if knobs else make_tp_step
+                        fn = make(model.cfg, "tp", mesh, **fields)
+                        dev = device_step(runner, 1, ctx, a.steps, step_fn=fn)
                     row = row_for(model, "tp", 1, ctx, dev, ceil)
                     row["compile_and_time_s"] = time.perf_counter() - t0
                 except Exception:  # noqa: BLE001

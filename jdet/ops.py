@@ -96,8 +96,10 @@ class Ops:
     # `row_reduce` is the identity and is skipped).
     fuse_residual_norm: bool = True
     # The same fold for down_proj: its combine, the residual add and the *next* layer's attention
-    # norm in one kernel (`fold_down_norm`; same bits).
-    fuse_down_norm: bool = False
+    # norm in one kernel (`fold_down_norm`; same bits). Measured on an H100 in one run
+    # (decode_bench variants, batch 1, ctx 1024): Llama-3-8B step 7.43 -> 7.17 ms, Qwen3-0.6B
+    # 2.27 -> 2.25 ms.
+    fuse_down_norm: bool = True
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -31,12 +32,27 @@ def _load(ref, mask, other):
     return pltriton.load(ref, mask=mask, other=other)
 
 
+# Whether the kernels' two passes over D are unrolled (static Python loops: every block's loads
+# issued at once) or lax.fori_loops (one dependent load round per block). The same additions in
+# the same order either way (CPU interpret tests bitwise, GPU tests bitwise); which is faster is
+# a GPU measurement (`decode_bench --variants pallas_kernels.rms_norm.UNROLL=0`).
+UNROLL = True
+
+
+def _loop(steps: int, body, init, unroll: bool):
+    if not unroll:
+        return lax.fori_loop(0, steps, body, init)
+    for i in range(steps):
+        init = body(i, init)
+    return init
+
+
 def block_d_for(d: int) -> int:
     """Lanes per step over the hidden dim: a function of D only."""
     return min(1 << max(0, (d - 1).bit_length()), 1024)
 
 
-def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
+def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, unroll: bool):
     """One row. With `stacked`, w_ref is the flat [L*D] stack of every layer's weight and the
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
     launch) per norm per layer."""
@@ -53,26 +69,26 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
         idx = i * block_d + jnp.arange(block_d)
         return idx, (idx < d) if ragged else None
 
-    # Both passes are unrolled (steps is static): every block's loads are issued at once instead
-    # of one dependent load round per loop step (the loop was latency-bound on a GPU), and the
-    # second pass reuses the first pass's rows. The additions are the same, in the same order.
-    xs = []
-    acc = jnp.zeros((block_d,), jnp.float32)
-    for i in range(steps):
+    def sq_body(i, acc):
         idx, mask = lanes(i)
         x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
-        xs.append(x)
-        acc = acc + x * x
-    inv = 1.0 / jnp.sqrt(jnp.sum(acc) / d + eps)
+        return acc + x * x
 
-    for i in range(steps):
+    ss = _loop(steps, sq_body, jnp.zeros((block_d,), jnp.float32), unroll)
+    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
+
+    def out_body(i, carry):
         idx, mask = lanes(i)
+        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
         w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
-        normed = (xs[i] * inv).astype(o_ref.dtype)
+        normed = (x * inv).astype(o_ref.dtype)
         # The product of two 16-bit floats is exact in f32, so rounding it once to x.dtype is
         # bitwise a native x.dtype multiply (HF's `weight * hidden.to(dtype)`), on every backend.
         y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
         pltriton.store(o_ref.at[idx], y, mask=mask)
+        return carry
+
+    _loop(steps, out_body, 0, unroll)
 
 
 def rms_norm(
@@ -99,13 +115,15 @@ def rms_norm(
 
         return xla_fixed.rms_norm(x, w[layer] if stacked else w, float(eps))
     if stacked:
-        return _rms_norm_pallas(x, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
-    return _rms_norm_pallas(x, w, float(eps))
+        return _rms_norm_pallas(
+            x, w.reshape(-1), float(eps), bool(UNROLL), jnp.asarray(layer, jnp.int32)
+        )
+    return _rms_norm_pallas(x, w, float(eps), bool(UNROLL))
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
+@functools.partial(jax.jit, static_argnames=("eps", "unroll"))
 def _rms_norm_pallas(
-    x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None
+    x: jax.Array, w: jax.Array, eps: float, unroll: bool, layer: jax.Array | None = None
 ) -> jax.Array:
     t, d = x.shape
     block_d = block_d_for(d)
@@ -121,7 +139,9 @@ def _rms_norm_pallas(
         operands.insert(0, layer.reshape(1))
         in_specs.insert(0, pl.BlockSpec((1,), lambda i: (0,)))
     return pl.pallas_call(
-        functools.partial(_rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked),
+        functools.partial(
+            _rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked, unroll=unroll
+        ),
         out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
         grid=(t,),
         in_specs=in_specs,
@@ -133,7 +153,7 @@ def _rms_norm_pallas(
 
 
 def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float, block_d: int,
-                    groups: int, rows: int):  # fmt: skip
+                    groups: int, rows: int, unroll: bool):  # fmt: skip
     """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
     tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
     array (indexed like the stacked weight: the proven way to address a slice in place)."""
@@ -154,24 +174,24 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
         r = (x.astype(jnp.float32) + o.astype(jnp.float32)).astype(x.dtype)
         return idx, mask, r
 
-    # Unrolled like `_rms_kernel` (same additions, same order); r is kept from the first pass.
-    rs = []
-    acc = jnp.zeros((block_d,), jnp.float32)
-    for i in range(steps):
+    def sq_body(i, acc):
         idx, mask, r = resid(i)
         pltriton.store(r_ref.at[idx], r, mask=mask)
-        rs.append(r)
         rf = r.astype(jnp.float32)
-        acc = acc + rf * rf
-    inv = 1.0 / jnp.sqrt(jnp.sum(acc) / d + eps)
+        return acc + rf * rf
 
-    for i in range(steps):
-        idx = i * block_d + jnp.arange(block_d)
-        mask = (idx < d) if ragged else None
+    ss = _loop(steps, sq_body, jnp.zeros((block_d,), jnp.float32), unroll)
+    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
+
+    def out_body(i, carry):
+        idx, mask, r = resid(i)  # recomputed (same bits), not re-read from r_ref
         w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
-        normed = (rs[i].astype(jnp.float32) * inv).astype(o_ref.dtype)
+        normed = (r.astype(jnp.float32) * inv).astype(o_ref.dtype)
         y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
         pltriton.store(o_ref.at[idx], y, mask=mask)
+        return carry
+
+    _loop(steps, out_body, 0, unroll)
 
 
 def add_rms_norm(
@@ -193,11 +213,13 @@ def add_rms_norm(
             f"add_rms_norm expects x[T, D], parts[G, T, D], w[L, D]; got {x.shape}, "
             f"{parts.shape}, {w.shape}"
         )
-    return _add_rms_norm_pallas(x, parts, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
+    return _add_rms_norm_pallas(
+        x, parts, w.reshape(-1), float(eps), bool(UNROLL), jnp.asarray(layer, jnp.int32)
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
+@functools.partial(jax.jit, static_argnames=("eps", "unroll"))
+def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, layer):
     t, d = x.shape
     groups = parts.shape[0]
     interpret = _platform.interpret_default()
@@ -205,7 +227,7 @@ def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     flat = parts.reshape(-1)
     kernel = functools.partial(
-        _add_rms_kernel, eps=eps, block_d=block_d_for(d), groups=groups, rows=t
+        _add_rms_kernel, eps=eps, block_d=block_d_for(d), groups=groups, rows=t, unroll=unroll
     )
     return pl.pallas_call(
         kernel,
