@@ -98,32 +98,44 @@ def rms_norm(
     *,
     layer: jax.Array | None = None,
     backend: str | None = None,
+    rows: int | None = None,
 ) -> jax.Array:
     """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant.
 
     With `layer` (an int32 scalar), w is the stack [L, D] of every layer's weight and layer
     `layer`'s row is used: the kernel reads it in place (same bits as passing `w[layer]`).
     `backend`: 'auto' (this kernel; `xla_fixed.rms_norm` on a CPU unless JDET_PALLAS_INTERPRET=1),
-    'pallas' or 'xla'."""
+    'pallas' or 'xla'. `rows`: only x's first `rows` rows are normalised by the kernel (one
+    program each); the output's other rows are left unset. Row i's arithmetic is the same for
+    any `rows` (one program per row); the XLA path computes every row."""
     stacked = layer is not None
     w_row = w.shape[1:] if stacked else w.shape
     if x.ndim != 2 or w_row != (x.shape[1],) or (stacked and w.ndim != 2):
         want = "w[L, D] with `layer`" if stacked else "w[D]"
         raise ValueError(f"rms_norm expects x[T, D] and {want}; got {x.shape} and {w.shape}")
+    n = _grid_rows(x.shape[0], rows)
     if _platform.resolve(backend, "rms_norm") == "xla":
         from pallas_kernels import xla_fixed
 
         return xla_fixed.rms_norm(x, w[layer] if stacked else w, float(eps))
     if stacked:
         return _rms_norm_pallas(
-            x, w.reshape(-1), float(eps), bool(UNROLL), jnp.asarray(layer, jnp.int32)
+            x, w.reshape(-1), float(eps), bool(UNROLL), n, jnp.asarray(layer, jnp.int32)
         )
-    return _rms_norm_pallas(x, w, float(eps), bool(UNROLL))
+    return _rms_norm_pallas(x, w, float(eps), bool(UNROLL), n)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "unroll"))
+def _grid_rows(t: int, rows: int | None) -> int:
+    if rows is None:
+        return t
+    if not 0 < rows <= t:
+        raise ValueError(f"rows ({rows}) must be in 1..{t} (the rows of x)")
+    return rows
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "unroll", "n"))
 def _rms_norm_pallas(
-    x: jax.Array, w: jax.Array, eps: float, unroll: bool, layer: jax.Array | None = None
+    x: jax.Array, w: jax.Array, eps: float, unroll: bool, n: int, layer: jax.Array | None = None
 ) -> jax.Array:
     t, d = x.shape
     block_d = block_d_for(d)
@@ -143,7 +155,7 @@ def _rms_norm_pallas(
             _rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked, unroll=unroll
         ),
         out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
-        grid=(t,),
+        grid=(n,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
         interpret=interpret,
@@ -195,8 +207,9 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
 
 
 def add_rms_norm(
-    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, layer: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, layer: jax.Array,
+    rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(r, rms_norm(r, w[layer])) with r = x + combine_tree(list(parts)).astype(x.dtype): the
     row-parallel projection's combine, the residual add and the next RMSNorm in one launch.
 
@@ -206,7 +219,8 @@ def add_rms_norm(
     add is, and the norm is `rms_norm`'s reduction plan (same block_d, same warps), so r and the
     normed rows equal the three-step path's bitwise (tests/jdet/test_step_fusion.py: in
     interpret mode on a CPU, compiled on the GPU). x[T, D], parts f32[G, T, D], w the stack [L, D].
-    GPU and interpret mode only (the CPU path keeps the unfused ops)."""
+    GPU and interpret mode only (the CPU path keeps the unfused ops). `rows`: as `rms_norm`'s
+    (both outputs' later rows are left unset)."""
     t, d = x.shape
     if parts.ndim != 3 or parts.shape[1:] != (t, d) or w.ndim != 2 or w.shape[1] != d:
         raise ValueError(
@@ -214,12 +228,13 @@ def add_rms_norm(
             f"{parts.shape}, {w.shape}"
         )
     return _add_rms_norm_pallas(
-        x, parts, w.reshape(-1), float(eps), bool(UNROLL), jnp.asarray(layer, jnp.int32)
-    )
+        x, parts, w.reshape(-1), float(eps), bool(UNROLL), _grid_rows(t, rows),
+        jnp.asarray(layer, jnp.int32),
+    )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "unroll"))
-def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, layer):
+@functools.partial(jax.jit, static_argnames=("eps", "unroll", "n"))
+def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, n: int, layer):
     t, d = x.shape
     groups = parts.shape[0]
     interpret = _platform.interpret_default()
@@ -232,7 +247,7 @@ def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, layer):
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, d), x.dtype)),
-        grid=(t,),
+        grid=(n,),
         in_specs=[
             pl.BlockSpec((1,), lambda i: (0,)),
             row,

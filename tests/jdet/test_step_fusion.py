@@ -17,6 +17,7 @@ controls show each comparison detects a one-ulp change.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,32 @@ def test_add_rms_norm_equals_combine_add_norm(interpret, groups):
     _check_add_norm(5, 96, groups)  # 96: ragged lanes (block_d 128)
 
 
+def _check_token_rows(t: int, d: int, n: int) -> None:
+    """`rows=n`: the kernels' first n rows are bitwise the all-rows call's (a program per row)."""
+    from pallas_kernels.rms_norm import add_rms_norm, rms_norm
+
+    x, parts, w = _add_norm_inputs(t, d, 2)
+    full = np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(1)))
+    some = np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(1), rows=n))
+    assert np.array_equal(some[:n], full[:n])
+    r, h = add_rms_norm(x, parts, w, 1e-6, layer=jnp.int32(1))
+    r_n, h_n = add_rms_norm(x, parts, w, 1e-6, layer=jnp.int32(1), rows=n)
+    assert np.array_equal(np.asarray(r_n)[:n], np.asarray(r)[:n])
+    assert np.array_equal(np.asarray(h_n)[:n], np.asarray(h)[:n])
+    # control: a one-ulp change of row n-1 of x shows in the rows=n result
+    x2 = jnp.asarray(x).at[n - 1, 0].set(jnp.asarray(_bump(np.asarray(x[n - 1 : n, :1])))[0, 0])
+    bumped = np.asarray(rms_norm(x2, w, 1e-6, layer=jnp.int32(1), rows=n))
+    assert not np.array_equal(bumped[:n], full[:n])
+
+
+def test_norm_kernels_on_token_rows_only(interpret):
+    _check_token_rows(6, 96, 2)
+    from pallas_kernels.rms_norm import rms_norm
+
+    with pytest.raises(ValueError, match=r"rows \(7\) must be in 1\.\.6"):
+        rms_norm(jnp.zeros((6, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16), rows=7)
+
+
 def test_add_rms_norm_is_checked():
     from pallas_kernels.rms_norm import add_rms_norm
 
@@ -187,8 +214,9 @@ _FORWARDS: dict = {}
 
 
 def _jit_forward(ops: Ops, cfg):
-    """One compiled forward per (ops, cfg): the control reuses the plain one's executable."""
-    key = (ops, cfg)
+    """One compiled forward per (ops, cfg, interpret mode): the control reuses the plain one's
+    executable (the kernels a forward traces depend on JDET_PALLAS_INTERPRET)."""
+    key = (ops, cfg, os.environ.get("JDET_PALLAS_INTERPRET"))
     if key not in _FORWARDS:
         _FORWARDS[key] = jax.jit(lambda p, kv, b: forward(p, cfg, kv, b, ops))
     return _FORWARDS[key]
@@ -199,6 +227,17 @@ class _PaddedOps(Ops):
 
     def row_pad(self, t: int) -> int:
         return -(-t // 64) * 64
+
+
+def test_padded_stream_with_token_row_norms_changes_no_bit(interpret):
+    """The kernels' norms on the token rows only, padding rows left unset (`norm_token_rows`)."""
+    mode = "tp"
+    cfg = tiny_cfg()
+    params = tiny_params(cfg)
+    ops = Plan(cfg, mode).ops()
+    plain = _model_logits(ops, cfg, params)
+    rows = _PaddedOps(mode, attn_partition=ops.attn_partition, norm_token_rows=True)
+    assert np.array_equal(plain, _model_logits(rows, cfg, params))
 
 
 def test_padded_residual_stream_changes_no_bit():
@@ -300,6 +339,7 @@ def test_gpu_padded_step_equals_the_unfused_step(mode):
 def test_gpu_add_rms_norm_equals_combine_add_norm():
     for groups in (1, 2, 8):
         _check_add_norm(64, 4096, groups)
+    _check_token_rows(64, 4096, 1)
 
 
 @pytest.mark.gpu
@@ -321,3 +361,5 @@ def test_gpu_residual_norm_fusion_changes_no_bit():
     fold = dataclasses.replace(ops, fuse_down_norm=True)  # + down_proj folded into the next norm
     assert fold.fold_down_norm()
     assert np.array_equal(_model_logits(fold, cfg, params, jnp.bfloat16), old)
+    rows = dataclasses.replace(fold, norm_token_rows=True)  # + norms of the token rows only
+    assert np.array_equal(_model_logits(rows, cfg, params, jnp.bfloat16), old)
