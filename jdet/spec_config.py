@@ -18,8 +18,11 @@ MAX_NUM_TOKENS = 16
 # decides which positions are rejection-sampled, i.e. part of the bits, so the fingerprint
 # carries it: bump it whenever the policy changes which steps verify. 2: an n-gram lookup that
 # finds nothing is no longer a miss (session 6). 3: in rejection mode the policy no longer looks
-# at a sequence's latest token (its bits independent of async scheduling; session 7).
-ADAPTIVE_POLICY = 3
+# at a sequence's latest token (its bits independent of async scheduling; session 7). 4: in
+# rejection mode a verify is scheduled whole or deferred (never cut to the budget or free pages),
+# a recompute leaves its last token to a decode step, and the prompt's last token never drafts:
+# its bits independent of the load (serving/scheduler.py; session 8).
+ADAPTIVE_POLICY = 4
 
 
 @dataclasses.dataclass(frozen=True)

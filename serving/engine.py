@@ -110,6 +110,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             policy=config.scheduling,
+            verify_tokens=self.speculator.verify_tokens if self.speculator else None,
         )
         self.runner = ModelRunner(
             model,

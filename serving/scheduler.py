@@ -17,6 +17,13 @@ needs that row computed.
 Chunk boundaries may fall anywhere: output bits do not depend on them, because the kernels are
 chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
 
+Speculative rejection mode (`verify_tokens` = K + 1; serving/speculative.py): which positions are
+rejection-sampled is part of the bits, so a sequence's verify is never cut to what the budget or
+the free pages leave. A decode with drafts is scheduled whole, oldest first among the decodes
+(pages as a decode gets them, newest preempted first), or deferred to a later step when the budget
+cannot hold it; and a recompute after preemption leaves its last token to a decode step, where
+the sequence drafts as it would have without the preemption (docs/speculative.md).
+
 `policy="prefill_first"` is the baseline Sarathi-Serve improves on (vLLM v0): whenever a waiting
 sequence can be admitted, the step holds prefills only and running decodes stall.
 """
@@ -39,9 +46,22 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: str = "stall_free",
+        verify_tokens: int | None = None,
     ) -> None:
+        """`verify_tokens`: K + 1 in speculative rejection mode (whole verifies, module
+        docstring); None otherwise (exact mode cuts drafts to what fits: no bit depends on it)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if verify_tokens is not None and verify_tokens > max_num_batched_tokens:
+            raise ValueError(
+                f"speculative verify='rejection' schedules a verify whole ({verify_tokens} "
+                f"tokens: num_tokens + 1), but max_num_batched_tokens is "
+                f"{max_num_batched_tokens}; raise max_num_batched_tokens to at least "
+                f"{verify_tokens} or lower num_tokens"
+            )
+        self.verify_tokens = verify_tokens
+        self.num_deferred_verifies = 0  # rejection mode: verifies left to a later step
+        self.num_held_recomputes = 0  # rejection mode: recomputes that left their last token
         self.pm = page_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,8 +99,8 @@ class Scheduler:
             passes = (True,)
         for decoding in passes:
             self._schedule_running_pass(decoding, plan, budget)
-            if decoding:
-                self._add_drafts(plan, budget)  # speculative decoding (issue 13)
+            if decoding and self.verify_tokens is None:
+                self._add_drafts(plan, budget)  # speculative decoding (issue 13), exact mode
         self._admit_waiting(plan, budget)
         return list(plan.items())
 
@@ -105,10 +125,39 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq in plan:
                 continue  # preempted earlier in this pass
             if (seq.num_uncomputed == 1) == decoding:
-                self._schedule_running(seq, plan, budget)
+                if decoding and self.verify_tokens is not None and seq.draft_token_ids:
+                    self._schedule_verify(seq, plan, budget)  # rejection mode (issue 13)
+                else:
+                    self._schedule_running(seq, plan, budget)
+
+    def _schedule_verify(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
+        """Rejection mode: a decode with k drafts computes its token and all k, or waits for a
+        later step (deferring changes no bit; a shorter verify would rejection-sample other
+        positions). Its pages come as a decode's do: the newest running sequence is preempted
+        while they do not fit, so the oldest always progresses (the pool holds max_model_len
+        tokens and `Speculator.room` keeps a verify within it)."""
+        want = 1 + len(seq.draft_token_ids)
+        if want > budget[0]:
+            self.num_deferred_verifies += 1
+            return
+        while not self.pm.grow(seq, want):
+            victim = self.running[-1]
+            self._preempt(victim, plan, budget)
+            if victim is seq:
+                return
+        plan[seq] = want
+        budget[0] -= want
+
+    def holds_last_token(self, seq: Sequence) -> bool:
+        """Rejection mode: whether `seq`'s prefill must stop before its last token, a recompute
+        after preemption (it has output tokens): the step that computes that token is then a
+        decode, drafting as it would have without the preemption, instead of a prefill row that
+        samples the next position plainly."""
+        return self.verify_tokens is not None and seq.num_output_tokens > 0 and not seq.is_score
 
     def _schedule_running(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
-        want = min(seq.num_uncomputed, budget[0])
+        hold = int(seq.num_uncomputed > 1 and self.holds_last_token(seq))
+        want = min(seq.num_uncomputed - hold, budget[0])
         while not self.pm.grow(seq, want):
             fit = self.pm.tokens_fitting(seq, self.pm.num_free)
             if fit >= 1 and seq.num_uncomputed > 1:  # a prefill chunk may shrink to fit
@@ -127,13 +176,17 @@ class Scheduler:
             cached = self.pm.match_prefix(seq)
             if seq.is_score:  # a row's log-prob needs its logits: only rows already scored
                 cached = cached[: seq.num_scored // self.pm.page_size]  # (kept over preemption)
+            hold = int(self.holds_last_token(seq))  # rejection mode: at least 1 token to compute
+            if hold:
+                cached = cached[: (seq.num_tokens - 2) // self.pm.page_size]
             revived = sum(1 for p in cached if self.pm.ref_count[p] == 0)
             avail = self.pm.num_free - revived - self.pm.watermark_pages
-            uncomputed = seq.num_tokens - len(cached) * self.pm.page_size
+            uncomputed = seq.num_tokens - len(cached) * self.pm.page_size - hold
             want = min(uncomputed, budget[0], avail * self.pm.page_size)
             if want < 1:
                 break  # strict FCFS: the head waits for pages, nobody overtakes it
             self.waiting.popleft()
+            self.num_held_recomputes += hold
             self.pm.admit(seq, cached)
             assert self.pm.grow(seq, want)
             seq.status = Status.RUNNING

@@ -31,7 +31,8 @@ sequence) and stop strings are matched token by token (serving/outputs.py `detok
 sequence ends at the same token as without speculation; its later accepted tokens are dropped.
 
 Budget and shapes: draft tokens count against the step's token budget; they are scheduled after
-every decode got its one token and before prefill chunks (scheduler `_add_drafts`). A verifying
+every decode got its one token and before prefill chunks (scheduler `_add_drafts`); in rejection
+mode a verify is scheduled whole or deferred instead (scheduler `_schedule_verify`). A verifying
 sequence uses k + 1 sampled rows, so a speculative engine's shape set allows
 max_num_seqs * (K + 1) rows (S); T and Pmax buckets are unchanged, and every step shape is still
 one of the set that warm-up compiles.
@@ -45,7 +46,10 @@ draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), 
 by (seed, position) on streams of its own. It preserves the target's distribution, not its bits (an
 accepted draft is the draft's draw), so it alone changes the system fingerprint. For n-gram
 drafts q is one-hot: the rule accepts with probability p(d), exactly exact mode's acceptance,
-which also keeps the bits (docs/speculative.md).
+which also keeps the bits (docs/speculative.md). Its bits do not depend on the load: a verify's
+draft count is the request's own (never cut by the scheduler), a recompute drafts where the
+unpreempted sequence did, and drafting starts at the first output token (`may_draft`; why, in
+docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class Speculator:
         self.k = config.num_tokens
         self.max_model_len = max_model_len
         self.rejection = config.verify == "rejection"
+        # rejection mode: a verify is scheduled whole (K + 1 tokens) or deferred (scheduler.py)
+        self.verify_tokens = self.k + 1 if self.rejection else None
         self._q: dict[Sequence, list] = {}  # rejection mode, model drafts: q of each draft
         self.reset_stats()
         self.model_draft: ModelDraft | None = None  # "self" / "draft" (`attach`)
@@ -262,10 +268,8 @@ class Speculator:
         c = self.config
         for seq in running:
             seq.draft_token_ids = []
-            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+            if not self.may_draft(seq):
                 continue
-            if seq.options.needs_logits_inputs:
-                continue  # module docstring: rows depend on unconfirmed tokens
             k = self.room(seq)
             if k > 0 and self.adaptive is not None and not self.adaptive.drafts(seq):
                 continue  # low acceptance: K = 0, a plain decode (serving/spec_adaptive.py)
@@ -275,6 +279,19 @@ class Speculator:
                 seq.draft_token_ids = ngram_draft(self._tokens(seq), k, c.ngram_min, c.ngram_max)
                 if self.adaptive is not None:  # none found: a plain decode, not a miss
                     self.adaptive.record_lookup(seq, bool(seq.draft_token_ids))
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """Whether `seq` may draft in the step being planned: it decodes (one uncomputed token),
+        its rows do not depend on unconfirmed tokens (no logits transforms: module docstring),
+        and, in rejection mode, that token is an output token. The prompt's last token is
+        computed in a prefill chunk or, when a chunk boundary falls just before it, in a decode
+        step: drafting in the latter would rejection-sample the first output position where the
+        former samples it plainly, so its bits would depend on the chunking (the budget)."""
+        if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+            return False
+        if seq.options.needs_logits_inputs:
+            return False
+        return not (self.rejection and seq.num_output_tokens == 0)
 
     def fill(self, plan: list[tuple[Sequence, int]]) -> None:
         """After scheduling: a model draft's tokens for each verify in `plan` (k = n - 1)."""

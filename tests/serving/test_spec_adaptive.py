@@ -250,6 +250,8 @@ def test_a_lookup_that_finds_nothing_is_not_a_miss_and_dry_steps_go_ahead():
     always = Speculator(SpeculativeConfig(min_alpha=0.0), max_model_len=4096)
     assert not always.can_run_ahead([(dry, 1)])  # min_alpha=0: the previous engine
     rej = Speculator(SpeculativeConfig(verify="rejection"), max_model_len=4096)
+    dry.token_ids.append(30)  # rejection mode drafts from the first output token on
+    dry.num_computed_tokens += 1
     for _ in range(2 * DRY):
         rej.propose([dry])
     assert rej.adaptive.dry(dry) and not rej.can_run_ahead([(dry, 1)])  # rejection: bits
