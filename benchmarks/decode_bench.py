@@ -230,13 +230,21 @@ class module_knobs:  # noqa: N801 - a context manager used like a function
             self.items.append((m, attr, type(getattr(m, attr))(val)))
 
     def __enter__(self):
+        import jax
+
         self.saved = [(m, a, getattr(m, a)) for m, a, _ in self.items]
         for m, a, v in self.items:
             setattr(m, a, v)
+        if self.items:  # kernels jitted inside the step would otherwise reuse their old trace
+            jax.clear_caches()
 
     def __exit__(self, *exc):
+        import jax
+
         for m, a, v in self.saved:
             setattr(m, a, v)
+        if self.saved:
+            jax.clear_caches()
 
 
 def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: dict,
