@@ -2,12 +2,13 @@
 
 In `verify="rejection"` which positions are rejection-sampled is part of the bits, so each of a
 request's verifies must hold the drafts its own state asks for, whatever else runs. Each test
-runs sampled requests (self draft, always drafting) batched under the token budget and compares
-every request's tokens and log-probs with the request run alone, `np.array_equal`, checking that
-the load actually reached them (verifies deferred, sequences preempted and recomputed). Negative
-controls, one per rule: drafts cut to the budget (the policy before session 8), a recompute
-that samples its next position in its prefill, and drafting at the prompt's last token when a
-chunk boundary falls just before it: each gives some request other tokens.
+runs sampled requests (self draft or a random draft model, always drafting) batched under the
+token budget and compares every request's tokens and log-probs with the request run alone,
+`np.array_equal`, checking that the load actually reached them (verifies deferred, sequences
+preempted and recomputed). Negative controls, one per rule: drafts cut to the budget (the policy
+before session 8), a recompute that samples its next position in its prefill, and drafting at
+the prompt's last token when a chunk boundary falls just before it: each gives some request
+other tokens.
 """
 
 from __future__ import annotations
@@ -22,13 +23,30 @@ from serving.engine import Engine
 from serving.scheduler import Scheduler
 from serving.sequence import Status
 from serving.speculative import Speculator
-from tests.serving.test_speculative import PROMPTS, make_engine, run
+from tests.serving.test_speculative import (
+    PROMPTS,
+    make_engine,
+    random_draft,  # noqa: F401 - a fixture: a random draft model
+    run,
+)
 
 # the module shares test_speculative's compiled steps (same shapes): the same xdist worker
 pytestmark = pytest.mark.xdist_group("speculative")
 
 SPEC = SpeculativeConfig(method="self", draft_layers=1, verify="rejection", num_tokens=4,
                          min_alpha=0.0)  # fmt: skip
+
+
+def spec_of(method: str, request: pytest.FixtureRequest) -> SpeculativeConfig:
+    """The "self" draft (SPEC) or a random draft model (own cache, mirrored; mostly residual
+    draws)."""
+    if method == "self":
+        return SPEC
+    dm = request.getfixturevalue("random_draft")
+    return SpeculativeConfig(method="draft", draft_model=dm, verify="rejection", num_tokens=4,
+                             min_alpha=0.0)  # fmt: skip
+
+
 _rng = random.Random(8)
 _PROMPTS = {**PROMPTS, "r33": [_rng.randrange(1, 320) for _ in range(33)]}  # 32 + 1 chunks
 
@@ -51,15 +69,24 @@ def fillers() -> list[tuple[str, list[int], dict]]:
     return [(f"filler/{i}", PROMPTS["random"][i:], p) for i in range(4)]
 
 
+_ALONE: dict = {}
+
+
+def alone_of(model, spec: SpeculativeConfig) -> dict:
+    """Each request alone in its engine (no deferral, no preemption); kept per draft method."""
+    if spec.method not in _ALONE:
+        out = {}
+        for req in requests():
+            e = make_engine(model, spec)
+            out.update(run(e, [req]))
+            assert e.scheduler.num_deferred_verifies == e.scheduler.num_preemptions == 0
+        _ALONE[spec.method] = out
+    return _ALONE[spec.method]
+
+
 @pytest.fixture(scope="module")
 def alone(serving_model) -> dict:
-    """Each request alone in its engine: no deferral, no preemption."""
-    out = {}
-    for req in requests():
-        e = make_engine(serving_model, SPEC)
-        out.update(run(e, [req]))
-        assert e.scheduler.num_deferred_verifies == e.scheduler.num_preemptions == 0
-    return out
+    return alone_of(serving_model, SPEC)
 
 
 def differing(got: dict, ref: dict) -> list[str]:
@@ -73,25 +100,27 @@ def differing(got: dict, ref: dict) -> list[str]:
     ]
 
 
-def batched(model, **kw) -> tuple[Engine, dict]:
-    e = make_engine(model, SPEC, **kw)
+def batched(model, spec: SpeculativeConfig = SPEC) -> tuple[Engine, dict]:
+    e = make_engine(model, spec)
     return e, run(e, requests())
 
 
-def preempted(model) -> tuple[Engine, dict]:
-    e = make_engine(model, SPEC)
+def preempted(model, spec: SpeculativeConfig = SPEC) -> tuple[Engine, dict]:
+    e = make_engine(model, spec)
     got = run(e, fillers() + requests())
     return e, {rid: got[rid] for rid, _, _ in requests()}
 
 
-def test_rejection_bits_alone_equal_batched_under_a_tight_budget(serving_model, alone):
+@pytest.mark.parametrize("method", ["self", "draft"])
+def test_rejection_bits_alone_equal_batched_under_a_tight_budget(serving_model, method, request):
     """9 drafting sequences, a budget of 32 tokens: verifies are deferred (never cut), chunk
     boundaries fall elsewhere; every request's bits equal its bits alone."""
-    e, got = batched(serving_model)
+    spec = spec_of(method, request)
+    e, got = batched(serving_model, spec)
     assert e.scheduler.num_deferred_verifies > 0 and e.scheduler.num_preemptions == 0
     assert e.speculator.stats()["accepted_tokens"] > 0
     assert e.speculator.stats()["rejected_tokens"] > 0
-    assert differing(got, alone) == []
+    assert differing(got, alone_of(serving_model, spec)) == []
 
 
 def test_negative_control_drafts_cut_to_the_budget_change_bits(serving_model, alone):
@@ -103,13 +132,16 @@ def test_negative_control_drafts_cut_to_the_budget_change_bits(serving_model, al
     assert differing(got, alone) != []
 
 
-def test_rejection_bits_with_and_without_preemption(serving_model, alone):
+@pytest.mark.parametrize("method", ["self", "draft"])
+def test_rejection_bits_with_and_without_preemption(serving_model, method, request):
     """Four long requests hold most of the 64 pages: the checked requests are preempted after
     they have output tokens and recomputed (their last token left to a decode step, which drafts
-    as it would have); every one's bits equal its bits alone."""
-    e, got = preempted(serving_model)
+    as it would have; a draft model's cache follows the recompute); every one's bits equal its
+    bits alone."""
+    spec = spec_of(method, request)
+    e, got = preempted(serving_model, spec)
     assert e.scheduler.num_preemptions > 0 and e.scheduler.num_held_recomputes > 0
-    assert differing(got, alone) == []
+    assert differing(got, alone_of(serving_model, spec)) == []
 
 
 def test_negative_control_a_recompute_sampling_its_next_token_changes_bits(
