@@ -78,9 +78,11 @@ def layer_forward(
     eps = cfg.rms_norm_eps
     if h is None:
         h = ops.rms_norm(x, norms["attn_norm"], eps, layer, rows=T)
+    qkv_rows = None  # the fused projection's rows, all of them (`Ops.rope_kv` reads them)
     if ops.fused:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
-        qkv = ops.matmul(h, lp["wqkv"])[:T]
+        qkv_rows = ops.matmul(h, lp["wqkv"])
+        qkv = qkv_rows[:T]
         nq = qkv.shape[-1] - 2 * nk
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
     else:
@@ -95,12 +97,17 @@ def layer_forward(
     if cfg.qk_norm:
         q = _head_norm(ops, q, norms["q_norm"], eps, layer)
         k = _head_norm(ops, k, norms["k_norm"], eps, layer)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    kv = {
-        "k": write_kv(kv["k"], layer, k, batch.slot_mapping),
-        "v": write_kv(kv["v"], layer, v, batch.slot_mapping),
-    }
+    if ops.fuses_rope_kv(attn_meta):  # RoPE + K/V write + q's attention layout: one kernel
+        plain = qkv_rows is not None and not (cfg.qkv_bias or cfg.qk_norm)
+        q, kv = ops.rope_kv_write(qkv_rows if plain else (q, k, v), cos, sin, kv, layer, batch,
+                                  attn_meta, q.shape[1])  # fmt: skip
+    else:
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        kv = {
+            "k": write_kv(kv["k"], layer, k, batch.slot_mapping),
+            "v": write_kv(kv["v"], layer, v, batch.slot_mapping),
+        }
     attn = ops.attention(q, kv, layer, batch, E**-0.5, meta=attn_meta, out_rows=rows)
     attn = attn.reshape(rows, -1)
     if cfg.o_bias:

@@ -105,6 +105,13 @@ class Ops:
     # see them; the matmuls, the only readers, are row-independent). At batch 1 a decode step
     # normalises 1 row instead of 64 (the fused combine kernel read 64 rows of f32 parts).
     norm_token_rows: bool = False
+    # RoPE, the K/V cache write and the query's gather into the attention kernel's tile layout
+    # as one Pallas kernel (`rope_kv`, pallas_kernels/rope_kv.py) instead of ~5 XLA fusions a
+    # layer. Only where the Pallas paged attention runs (a GPU; a CPU only under
+    # JDET_PALLAS_INTERPRET=1, interpreted): ignored on the CPU's xla_fixed path and by XLA's
+    # gather attention. Same arithmetic as apply_rope; whether Triton contracts to FMA where
+    # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`).
+    rope_kv: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -226,9 +233,29 @@ class Ops:
             g=q_heads // kh, num_pages=num_pages, page_size=page_size, partition_size=ps,
         )  # fmt: skip
 
+    def fuses_rope_kv(self, meta: dict | None) -> bool:
+        """Whether the model runs `rope_kv` this step: the flag is on and the Pallas attention
+        runs (`meta`, the step's `attention_meta`, exists only then)."""
+        return bool(self.rope_kv) and meta is not None
+
+    def rope_kv_write(
+        self, qkv: Any, cos: jax.Array, sin: jax.Array, kv: dict, layer: jax.Array, batch: Any,
+        meta: dict, q_heads: int,
+    ) -> tuple[Any, dict]:  # fmt: skip
+        """(RoPE(q) as query tiles for `attention`, the cache with RoPE(k) and v written): one
+        kernel (pallas_kernels/rope_kv.py). `qkv`: the fused projection's rows [T' >= T,
+        (H + 2K) E] or (q[T, H, E], k, v[T, K, E])."""
+        from pallas_kernels.rope_kv import rope_kv
+
+        tiles, k, v = rope_kv(
+            qkv, cos, sin, batch.slot_mapping, kv["k"], kv["v"], meta["tok_c"], layer=layer,
+            q_heads=q_heads, rows=meta["lim"].shape[1],
+        )  # fmt: skip
+        return tiles, {"k": k, "v": v}
+
     def attention(
         self,
-        q: jax.Array,
+        q: Any,
         kv: dict,
         layer: jax.Array,
         batch: Any,
@@ -237,8 +264,14 @@ class Ops:
         out_rows: int | None = None,
     ) -> jax.Array:
         """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V.
-        `meta`: `attention_meta` of this step; returns [out_rows or T, H, E], zeros past T."""
-        ps = self._attn_partition(q.shape[0], batch, kv)
+        `meta`: `attention_meta` of this step; returns [out_rows or T, H, E], zeros past T.
+        q may be `rope_kv_write`'s query tiles (pallas_kernels/rope_kv.py QueryTiles)."""
+        from pallas_kernels.rope_kv import QueryTiles
+
+        q_heads, t = None, None
+        if isinstance(q, QueryTiles):
+            q, q_heads, t = q.tiles, q.heads, q.tokens
+        ps = self._attn_partition(t or q.shape[0], batch, kv)
         if ps is not None or self.invariant:  # invariant off a GPU: the kernel's XLA version
             from pallas_kernels import paged_attention
 
@@ -255,7 +288,10 @@ class Ops:
                 layer=layer,
                 meta=meta,
                 out_rows=out_rows,
+                q_heads=q_heads,
             )
+        if q_heads is not None:
+            raise ValueError("query tiles (rope_kv) need the Pallas paged attention")
         from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
 
         return _pad_rows(paged_attention_xla(

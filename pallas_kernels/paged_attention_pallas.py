@@ -76,7 +76,7 @@ def attention_meta(
     jax.jit,
     static_argnames=(
         "scale", "partition_size", "block_kv", "structure", "block_rows", "num_warps",
-        "num_stages", "out_rows",
+        "num_stages", "out_rows", "q_heads",
     ),
 )  # fmt: skip
 def _paged_attention_pallas(
@@ -98,8 +98,13 @@ def _paged_attention_pallas(
     num_stages: int = 2,
     meta: dict | None = None,
     out_rows: int | None = None,
+    q_heads: int | None = None,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
+
+    With `q_heads`, q is already in the kernel's query-tile layout [NT, K, rows, E] for `meta`
+    (pallas_kernels/rope_kv.py writes it with RoPE applied) and holds q_heads heads: the gather +
+    transpose + pad into it (one XLA fusion per layer) is skipped; `meta` is then required.
 
     Returns [out_rows or T, H, E]. `meta` is `attention_meta` of this step's batch (computed here
     when None): it depends on the batch alone, so the model computes it once per step instead of
@@ -114,6 +119,12 @@ def _paged_attention_pallas(
     parameters exist for tests and benchmarks; the defaults are the plan, and every call that
     must agree bitwise has to use the same values.
     """
+    q_tiles = None
+    if q_heads is not None:  # the tile layout already (docstring); q[T, H, E] is its shape
+        if meta is None:
+            raise ValueError("paged_attention: a query in the tile layout (q_heads) needs `meta`")
+        q_tiles = q
+        q = jax.ShapeDtypeStruct((positions.shape[0], q_heads, q.shape[-1]), q.dtype)
     stacked = layer is not None
     if stacked:
         if k_cache.ndim != 5:
@@ -163,10 +174,16 @@ def _paged_attention_pallas(
     tok_c, lim, pt = meta["tok_c"], meta["lim"], meta["pt"]
 
     # Per-tile query rows [NT, K, rows, E]: row r*gp + g is token tstart+r, head k*G+g.
-    qg = q.reshape(t, kh, g, e)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    q_tiles = qg[tok_c].transpose(0, 2, 1, 3, 4).reshape(nt, kh, rows, e)
+    if q_tiles is None:
+        qg = q.reshape(t, kh, g, e)
+        if gp != g:
+            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+        q_tiles = qg[tok_c].transpose(0, 2, 1, 3, 4).reshape(nt, kh, rows, e)
+    elif q_tiles.shape != (nt, kh, rows, e):
+        raise ValueError(
+            f"paged_attention: query tiles {q_tiles.shape} do not match `meta`'s "
+            f"{(nt, kh, rows, e)}"
+        )
 
     interpret = _platform.interpret_default()
     compiler_params = merge_params = None
