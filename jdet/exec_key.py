@@ -31,6 +31,13 @@ _ENV_PREFIXES = ("XLA_", "JAX_", "JDET_")
 _ENV_EXTRA = ("LIBTPU_INIT_ARGS", "NVIDIA_TF32_OVERRIDE")
 _ENV_SKIP = ("JDET_CACHE_DIR", "JDET_WARMUP", "JDET_EXEC_CACHE", "JDET_EXEC_CACHE_MAX_BYTES")
 _CONFIG_SKIP = ("compilation_cache", "persistent_cache")
+# Modules only a Hopper GPU's kernels trace (pallas_kernels.matmul.resolve_backend gives
+# "mosaic" on sm_90 alone). Off a GPU the runtime digest leaves them out instead of importing
+# them: their import pulls in jax.experimental.pallas.mosaic_gpu, ~0.5 s of CPU in every
+# `jdet generate` on a CPU (it keys its steps at their first call), and off a GPU no step can
+# trace them, so no monkeypatch of theirs can change the executable. Their files are still in
+# `source_hash`, and the platform is in the key.
+_GPU_ONLY = ("pallas_kernels.matmul_mosaic", "pallas_kernels.tree_mosaic")
 
 
 # ---------------------------------------------------------------------- the key
@@ -143,9 +150,16 @@ def runtime_code_digest() -> str:
     """A digest of the code of jdet's traced packages as this process runs it: each module's
     functions, the methods of the classes it defines, and its UPPER_CASE constants. A monkeypatch
     (a test's batch-dependent attention, a changed tile size) or an edit made after import changes
-    it. Every module is imported first, so the digest does not depend on what ran before."""
+    it. Every module is imported first, so the digest does not depend on what ran before (but
+    `_GPU_ONLY`'s off a GPU)."""
+    from pallas_kernels import _platform
+
     h = hashlib.sha256()
+    skip = () if _platform.platform() == "gpu" else _GPU_ONLY
     for name in _code_modules():
+        if name in skip:
+            h.update(f"\0module {name} not traced off a GPU\0".encode())
+            continue
         try:
             mod = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the same failure in every process

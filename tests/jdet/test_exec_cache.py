@@ -235,3 +235,27 @@ def test_the_directory_is_capped_least_recently_used_first(tmp_path, monkeypatch
     monkeypatch.setenv("JDET_EXEC_CACHE_MAX_BYTES", "1")
     wrapped(tmp_path).warm(*args(n=16))
     assert list(tmp_path.glob("*" + exec_cache.SUFFIX)) == []
+
+
+def test_the_key_imports_the_mosaic_gpu_kernels_on_a_gpu_only():
+    """Off a GPU the runtime digest leaves out the modules only a Hopper GPU traces
+    (exec_key._GPU_ONLY): keying a CPU `jdet generate`'s step no longer imports
+    jax.experimental.pallas.mosaic_gpu (~0.5 s of CPU). On a GPU it must import and digest
+    them. A fresh interpreter: this one may have imported them for another test."""
+    import json
+    import subprocess
+    import sys
+
+    from pallas_kernels import _platform
+
+    gpu_only = ["jax.experimental.pallas.mosaic_gpu", *exec_key._GPU_ONLY]
+    code = (
+        "import json, sys; from jdet import exec_key; exec_key.runtime_code_digest(); "
+        f"print(json.dumps([m for m in {gpu_only!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported = json.loads(out.stdout.strip().splitlines()[-1])
+    if _platform.platform() == "gpu":
+        assert len(imported) == 3, imported
+    else:
+        assert imported == [], imported
