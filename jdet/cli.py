@@ -60,15 +60,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) -> int:
+    import gc
+
     import jdet
     from jdet import exec_cache
+    from serving import sampler_variants
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
     # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
     # Each shape met is loaded from jdet's executable cache (or compiled and written there) at its
-    # first call, so a second run neither traces nor compiles (jdet/exec_cache.py).
+    # first call, so a second run neither traces nor compiles (jdet/exec_cache.py). Its steps run
+    # the smallest sampler variant that serves the prompt (sampler_variants.ON_DEMAND: a greedy
+    # prompt's step has no draw and no logits transforms), the only one it compiles.
+    # No cyclic GC until the first token: start-up allocates most of the process's objects
+    # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
+    # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
     # (Switched back at the end: `main` also runs inside other processes, e.g. the tests.)
     exec_cache.load_on_call(True)
+    variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, sampler_variants.ON_DEMAND
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
         llm = jdet.LLM(a.model, engine, warmup=False, speculative=spec)
         sp = jdet.SamplingParams(
@@ -80,10 +91,15 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
         )
         print(a.prompt, end="", flush=True)
         for delta in llm.stream(a.prompt, sp):
+            if gc_was_on and not gc.isenabled():
+                gc.enable()
             print(delta, end="", flush=True)
         print()
     finally:
         exec_cache.load_on_call(False)
+        sampler_variants.VARIANTS = variants
+        if gc_was_on:
+            gc.enable()
     return 0
 
 

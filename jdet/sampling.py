@@ -79,7 +79,14 @@ class SamplingInputs:
     log-prob are the same bits in every variant that serves it: a row that does not filter
     keeps its logits whether the filter ran for other rows or not (a select, or a cond that
     returns them), and the chosen token's log-prob is read from the same log_softmax
-    (tests/jdet/test_sampler_variants.py). The defaults are the full sampler."""
+    (tests/jdet/test_sampler_variants.py). The defaults are the full sampler.
+
+    A third flag, `draw`, and `logits=None` make the smallest step, for steps whose rows are all
+    greedy without transforms (serving/sampler_variants.py GREEDY: `jdet generate`'s default):
+    XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4 less
+    compile time for the embedded model's step on a CPU (BENCHMARKS.md, issue 17). A greedy
+    row's token is the argmax of the same logits either way, its log-prob read from the same
+    log_softmax."""
 
     temperature: jax.Array  # f32[N]; 0 = greedy
     top_k: jax.Array  # i32[N]; 0 = off
@@ -92,12 +99,15 @@ class SamplingInputs:
     filter_topk_topp: bool = _static(True)
     # top log-probs per row in SampleOut: NUM_TOP, or 0 (top_ids/top_logprobs are [N, 0])
     top_logprobs: int = _static(NUM_TOP)
+    # False: every row is greedy (temperature 0); the Gumbel draw and the rows' random keys are
+    # not built, so a row with temperature > 0 would get its argmax: the caller's promise
+    draw: bool = _static(True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.filter_topk_topp, bool):
-            raise TypeError(
-                f"SamplingInputs.filter_topk_topp must be a bool, got {self.filter_topk_topp!r}"
-            )
+        for name in ("filter_topk_topp", "draw"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingInputs.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}")  # fmt: skip
         if self.top_logprobs not in (0, NUM_TOP) or isinstance(self.top_logprobs, bool):
             raise ValueError(
                 f"SamplingInputs.top_logprobs must be 0 or NUM_TOP ({NUM_TOP}), got "
@@ -233,6 +243,29 @@ def _draw_unless_greedy(draw, scaled: jax.Array, greedy: jax.Array, temperature:
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda s: greedy, scaled)
 
 
+def _sampled(logits: jax.Array, greedy: jax.Array, inp: SamplingInputs, ops: Ops) -> jax.Array:
+    """The rows' tokens: a Gumbel-max draw from the processed logits (temperature, min-p,
+    top-k/top-p) where temperature > 0, the argmax `greedy` elsewhere."""
+    x = inp.logits
+    temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    if x is not None:
+        scaled = _when(jnp.any(x.min_p > 0), lambda s: apply_min_p(s, x.min_p), scaled)
+    if inp.filter_topk_topp:  # static: False when no row of the step filters
+        scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
+    V = logits.shape[-1]
+
+    def draw(s: jax.Array) -> jax.Array:
+        # the keys inside the draw: a CPU's all-greedy step skips them with it
+        keys = row_keys(inp.seed, inp.position)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (V,), jnp.float32, 1e-20, 1.0))(keys)
+        gumbel = -jnp.log(-jnp.log(u))
+        return jnp.argmax(s + gumbel, axis=-1).astype(jnp.int32)
+
+    drawn = _draw_unless_greedy(draw, scaled, greedy, inp.temperature)
+    return jnp.where(inp.temperature > 0, drawn, greedy)
+
+
 def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     """Draw one token per row of f32 logits [N, V]."""
     logits = logits.astype(jnp.float32)
@@ -241,22 +274,9 @@ def sample(logits: jax.Array, inp: SamplingInputs, ops: Ops) -> SampleOut:
     if x is not None:
         logits = process_logits(logits, x)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    if x is not None:
-        scaled = _when(jnp.any(x.min_p > 0), lambda s: apply_min_p(s, x.min_p), scaled)
-    if inp.filter_topk_topp:  # static: False when no row of the step filters
-        scaled = _top_k_top_p(scaled, inp.top_k, inp.top_p, ops)
-    keys = row_keys(inp.seed, inp.position)
     V = logits.shape[-1]
-
-    def draw(s: jax.Array) -> jax.Array:
-        u = jax.vmap(lambda k: jax.random.uniform(k, (V,), jnp.float32, 1e-20, 1.0))(keys)
-        gumbel = -jnp.log(-jnp.log(u))
-        return jnp.argmax(s + gumbel, axis=-1).astype(jnp.int32)
-
-    drawn = _draw_unless_greedy(draw, scaled, greedy, inp.temperature)
-    tokens = jnp.where(inp.temperature > 0, drawn, greedy)
+    # inp.draw is static: False when every row of the step is greedy (no draw is built then)
+    tokens = _sampled(logits, greedy, inp, ops) if inp.draw else greedy
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if inp.top_logprobs:  # static: 0 when no row of the step reports top log-probs
         top_lp, top_ids = jax.lax.top_k(logp, min(inp.top_logprobs, V))

@@ -182,10 +182,13 @@ class ModelRunner:
             spos[r] = np.arange(end - R[s], end) + 1  # where each sample goes
             r0 += R[s]
         want_top = any(s.options.logprobs for s, _ in plan)
+        transforms = any(s.options.needs_logits_inputs for s, _ in plan)
+        variant = sampler_variants.step_variant(temp, top_k, top_p, want_top, transforms,
+                                                self.variants)  # its sampler  # fmt: skip
+        built = self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row)
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
-            logits=self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row),
-            **sampler_variants.for_step(top_k, top_p, want_top, self.variants),  # its sampler
+            logits=built if variant.transforms else None, **variant.fields(),
         )  # fmt: skip
         return batch, sampling
 
@@ -208,9 +211,14 @@ class ModelRunner:
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
             position=batch.context_lens.copy(),  # the sampled token's position: last + 1
-            logits=self.logits_rows.neutral(Sp, Pp * self.page_size), **variant,
+            logits=self._neutral_logits(variant, Sp, Pp), **variant.fields(),
         )  # fmt: skip
         return batch, sampling
+
+    def _neutral_logits(self, variant: sampler_variants.Variant, Sp: int, Pp: int) -> Any:
+        """SamplingInputs.logits of a step none of whose rows has transforms: the cached
+        neutral LogitsInputs, or None in a variant without transforms (GREEDY)."""
+        return self.logits_rows.neutral(Sp, Pp * self.page_size) if variant.transforms else None
 
     def prepare_score(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, np.ndarray]:
         """The padded numpy StepBatch and targets [T] of score requests (`Sequence.targets`):
@@ -275,13 +283,13 @@ class ModelRunner:
         sampling = SamplingInputs(
             temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
             position=batch.context_lens.copy(),
-            logits=self.logits_rows.neutral(Sp, Pp * self.page_size), **variant,
+            logits=self._neutral_logits(variant, Sp, Pp), **variant.fields(),
         )  # fmt: skip
         return batch, sampling
 
     def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
         """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
-        sequences and its sampler variant (SamplingInputs keywords: serving/sampler_variants.py),
+        sequences and its sampler variant (serving/sampler_variants.py `Variant`),
         or None if one of them needs LogitsInputs. Kept for the last plan: a steady
         decode dispatches the same sequences step after step, and a sequence's options and seed
         never change, so the arrays are built once, not once a step (the step only reads them:
@@ -297,7 +305,7 @@ class ModelRunner:
                    np.array([o.top_p for o in opts] + [1] * (Sp - S), np.float32),
                    np.array([s.seed for s, _ in plan] + pad, np.uint32))  # fmt: skip
             want_top = any(o.logprobs for o in opts)
-            val += (sampler_variants.for_step(val[1], val[2], want_top, self.variants),)
+            val += (sampler_variants.step_variant(*val[:3], want_top, False, self.variants),)
         self._ahead_key, self._ahead_val = key, val
         return val
 

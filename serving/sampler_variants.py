@@ -15,6 +15,13 @@ on a CPU for the embedded model, ~3 s on an H100 for an 8B model). "lean" serves
 neither — greedy and plain-temperature decoding, log-probs without top log-probs (the RL and
 evaluation cases) — and "full" the rest, as every step ran before. A step that needs only one
 of the two (top-p chat without log-probs) pays for the other, as it did before.
+
+A third, "greedy" (`GREEDY`: no draw, no logits transforms either: SamplingInputs.draw False,
+logits None), is the smallest step; it serves steps whose rows are all greedy without
+penalties, bias, masks or min-p. Only an engine that compiles the variants it meets, one at a
+time, runs it: `jdet generate` (`ON_DEMAND`), where its step compiles in ~1/4 less time than
+the lean one on a CPU (BENCHMARKS.md, issue 17); an engine that warms up would compile it for
+every shape besides the others.
 """
 
 from __future__ import annotations
@@ -32,28 +39,43 @@ class Variant:
 
     filter_topk_topp: bool
     top_logprobs: int
+    draw: bool = True  # False: no Gumbel draw (every row greedy)
+    transforms: bool = True  # False: no logits transforms (SamplingInputs.logits is None)
 
-    def covers(self, needs_filter: bool, needs_top: bool) -> bool:
-        return (self.filter_topk_topp or not needs_filter) and (
-            self.top_logprobs > 0 or not needs_top
+    def covers(
+        self, needs_filter: bool, needs_top: bool, needs_draw: bool = True,
+        needs_transforms: bool = True,
+    ) -> bool:  # fmt: skip
+        return (
+            (self.filter_topk_topp or not needs_filter)
+            and (self.top_logprobs > 0 or not needs_top)
+            and (self.draw or not needs_draw)
+            and (self.transforms or not needs_transforms)
         )
 
     @property
     def name(self) -> str:
-        names = {LEAN_FIELDS: "lean", FULL_FIELDS: "full"}
-        key = (self.filter_topk_topp, self.top_logprobs)
-        return names.get(key, f"filter={self.filter_topk_topp} top={self.top_logprobs}")
+        names = {LEAN: "lean", FULL: "full", GREEDY: "greedy"}
+        return names.get(self, f"filter={self.filter_topk_topp} top={self.top_logprobs} "
+                               f"draw={self.draw} transforms={self.transforms}")  # fmt: skip
 
     def fields(self) -> dict:
-        """SamplingInputs keyword arguments."""
-        return {"filter_topk_topp": self.filter_topk_topp, "top_logprobs": self.top_logprobs}
+        """SamplingInputs keyword arguments, but `logits`, which the caller sets: None where
+        `transforms` is False."""
+        return {"filter_topk_topp": self.filter_topk_topp, "top_logprobs": self.top_logprobs,
+                "draw": self.draw}  # fmt: skip
 
 
 LEAN_FIELDS, FULL_FIELDS = (False, 0), (True, NUM_TOP)
 LEAN = Variant(*LEAN_FIELDS)
 FULL = Variant(*FULL_FIELDS)
+GREEDY = Variant(False, 0, draw=False, transforms=False)
+# The variants of an engine that compiles each at its first step (`jdet generate`), cheapest
+# first: a greedy prompt compiles GREEDY alone, a sampled one LEAN or FULL, never more than it
+# meets.
+ON_DEMAND = (GREEDY, LEAN, FULL)
 # The variants the engine runs, cheapest first, FULL last (it covers any step); None: by platform
-# (`engine_variants`). Tests set it to run both variants on a CPU.
+# (`engine_variants`). Tests set it to run both variants on a CPU; `jdet generate` to ON_DEMAND.
 VARIANTS: tuple[Variant, ...] | None = None
 
 
@@ -81,16 +103,18 @@ def needs_filter(top_k: np.ndarray, top_p: np.ndarray) -> bool:
 
 
 def choose(
-    needs_filter: bool, needs_top: bool, variants: tuple[Variant, ...] | None = None
-) -> Variant:
+    needs_filter: bool, needs_top: bool, variants: tuple[Variant, ...] | None = None,
+    needs_draw: bool = True, needs_transforms: bool = True,
+) -> Variant:  # fmt: skip
     """The first variant of `variants` (default `engine_variants()`) that covers a step with
     these needs."""
     variants = variants or engine_variants()
     for v in variants:
-        if v.covers(needs_filter, needs_top):
+        if v.covers(needs_filter, needs_top, needs_draw, needs_transforms):
             return v
     raise AssertionError(f"no sampler variant in {variants} covers filter={needs_filter}, "
-                         f"top log-probs={needs_top}")  # fmt: skip
+                         f"top log-probs={needs_top}, draw={needs_draw}, "
+                         f"transforms={needs_transforms}")  # fmt: skip
 
 
 def for_step(
@@ -99,5 +123,16 @@ def for_step(
 ) -> dict:  # fmt: skip
     """SamplingInputs keyword arguments of the variant a step with these rows runs (among the
     engine's `variants`); `want_top`: some sequence of the step reports top log-probs
-    (`options.logprobs` > 0)."""
+    (`options.logprobs` > 0). Never GREEDY: its `logits` must be None (`step_variant`)."""
     return choose(needs_filter(top_k, top_p), want_top, variants).fields()
+
+
+def step_variant(
+    temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, want_top: bool,
+    transforms: bool, variants: tuple[Variant, ...] | None = None,
+) -> Variant:  # fmt: skip
+    """The variant a step with these rows runs (among the engine's `variants`): the engine's
+    policy. `transforms`: some row of the step has logits transforms (penalties, bias, masks,
+    min-p: `SamplingOptions.needs_logits_inputs`)."""
+    needs_draw = bool((temperature > 0).any())
+    return choose(needs_filter(top_k, top_p), want_top, variants, needs_draw, transforms)

@@ -22,7 +22,7 @@ def warmup_batch(
     up never touches a page the prefix cache or a running sequence holds. One sequence of
     min(T, Pmax * B) tokens; the rest is padding. For "score" the second item is the
     targets [T], for "step" the SamplingInputs [S] of the sampler `variant` (top-p on where
-    the variant filters, so nothing is left out)."""
+    the variant filters and temperature 1 where it draws, so nothing is left out)."""
     from jdet.batch import StepBatch
     from jdet.step import SamplingInputs
 
@@ -43,12 +43,12 @@ def warmup_batch(
     rows[0] = n - 1
     z = np.zeros(Sp, np.float32)
     sampling = SamplingInputs(
-        temperature=z + 1,
+        temperature=z + (1 if variant.draw else 0),
         top_k=np.zeros(Sp, np.int32),
         top_p=z + (0.9 if variant.filter_topk_topp else 1.0),
         seed=np.zeros(Sp, np.uint32),
         position=cl.copy(),
-        logits=runner.logits_rows.neutral(Sp, Pp * runner.page_size),
+        logits=runner._neutral_logits(variant, Sp, Pp),
         **variant.fields(),
     )
     return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling

@@ -23,20 +23,22 @@ import pytest
 import jdet.sampling as sampling_mod
 from jdet.exec_key import args_signature
 from jdet.ops import Ops
-from jdet.sampling import NUM_TOP, SamplingInputs, sample
+from jdet.sampling import MAX_LOGIT_BIAS, NUM_TOP, LogitsInputs, SamplingInputs, sample
 
 V = 320
 # (temperature, top_k, top_p): greedy, plain temperature, and filtering rows, interleaved
 ROWS = [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 5, 1.0), (0.0, 0, 1.0), (0.9, 0, 0.7),
         (1.3, 0, 1.0), (0.7, 40, 0.9), (1.0, 0, 1.0), (1.1, 0, 1.0)]  # fmt: skip
 PLAIN = [i for i, (_, k, p) in enumerate(ROWS) if k == 0 and p == 1.0]
+GREEDY = [i for i, (t, _, _) in enumerate(ROWS) if t == 0.0]
 VARIANTS = [(f, t) for f in (False, True) for t in (0, NUM_TOP)]  # all four
 
 
 N = len(ROWS)  # every batch has N slots: a row "alone" is a row among padding rows, as in a step
 
 
-def inputs(rows: list[int], filt: bool = True, top: int = NUM_TOP) -> SamplingInputs:
+def inputs(rows: list[int], filt: bool = True, top: int = NUM_TOP, draw: bool = True,
+           logits: LogitsInputs | None = None) -> SamplingInputs:  # fmt: skip
     """Slot j samples as ROWS[rows[j]] (seed and position of that row); slots past len(rows)
     are padding (greedy, no filter), as the engine pads a step's rows."""
     pad = N - len(rows)
@@ -46,7 +48,7 @@ def inputs(rows: list[int], filt: bool = True, top: int = NUM_TOP) -> SamplingIn
         top_p=jnp.asarray(p, jnp.float32),
         seed=jnp.asarray(np.array(rows + [0] * pad) * 7 + 3, jnp.uint32),
         position=jnp.asarray(np.array(rows + [0] * pad) + 40, jnp.int32), filter_topk_topp=filt,
-        top_logprobs=top,
+        top_logprobs=top, draw=draw, logits=logits,
     )  # fmt: skip
 
 
@@ -64,12 +66,13 @@ def sampler(mode: str, platform: str, patched: bool = False) -> Callable:
 
 
 def run(logits: jax.Array, rows: list[int], mode: str, filt: bool, top: int,
-        patched: bool = False) -> dict:  # fmt: skip
+        patched: bool = False, draw: bool = True, transforms: LogitsInputs | None = None,
+        ) -> dict:  # fmt: skip
     from pallas_kernels import _platform
 
     fn = sampler(mode, _platform.platform(), patched)
     lg = jnp.zeros_like(logits).at[: len(rows)].set(logits[np.array(rows)])  # padding: zeros
-    out = fn(lg, inputs(rows, filt, top))
+    out = fn(lg, inputs(rows, filt, top, draw, transforms))
     return {k: np.asarray(v)[: len(rows)] for k, v in dataclasses.asdict(out).items()}
 
 
@@ -161,3 +164,62 @@ def test_unsupported_top_logprobs_bucket_is_refused_by_name(top: int) -> None:
         inputs(PLAIN, True, top)
     with pytest.raises(TypeError, match="filter_topk_topp must be a bool"):
         inputs(PLAIN, np.bool_(True), 0)  # type: ignore[arg-type]
+
+
+def neutral_transforms(bias: float = 0.0) -> LogitsInputs:
+    """LogitsInputs that change nothing (the engine's cached neutral rows), or, with `bias`,
+    a logit bias on token 7 of every row."""
+    f = lambda v: jnp.full(N, v, jnp.float32)  # noqa: E731
+    bias_ids = np.full((N, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_ids[:, 0] = 7 if bias else -1
+    return LogitsInputs(
+        min_p=f(0.0), presence=f(0.0), frequency=f(0.0), repetition=f(1.0),
+        pen_ids=jnp.full((N, 64), -1, jnp.int32), pen_counts=jnp.zeros((N, 64), jnp.int32),
+        bias_ids=jnp.asarray(bias_ids),
+        bias_vals=jnp.zeros((N, MAX_LOGIT_BIAS), jnp.float32).at[:, 0].set(bias),
+        mask=jnp.full((N, -(-V // 32)), -1, jnp.int32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["tp", "none"])
+def test_greedy_rows_have_the_same_bits_without_draw_and_transforms(
+    logits: jax.Array, mode: str
+) -> None:
+    """The GREEDY variant (serving/sampler_variants.py: draw=False, logits None, no filter, no
+    top log-probs) gives a greedy row the bits of the full sampler with neutral transforms,
+    alone and with the other greedy rows, whatever the rows batched with it in the full step."""
+    every = list(range(N))
+    full = run(logits, every, mode, True, NUM_TOP, transforms=neutral_transforms())
+    lean = run(logits, GREEDY, mode, False, 0, transforms=neutral_transforms())
+    greedy = run(logits, GREEDY, mode, False, 0, draw=False)
+    assert greedy["top_ids"].shape == (len(GREEDY), 0)
+    assert same(greedy, pick(full, GREEDY), with_top=False)
+    assert same(greedy, lean, with_top=False)
+    for i in GREEDY:
+        assert same(run(logits, [i], mode, False, 0, draw=False), pick(full, [i]), with_top=False)
+
+
+def test_negative_control_greedy_variant_for_rows_it_does_not_serve_changes_bits(
+    logits: jax.Array,
+) -> None:
+    """A policy that ran GREEDY for rows it does not serve would be caught: a temperature row
+    without the draw (its argmax instead of its draw), and a greedy row with a logit bias
+    without its transforms, each change their tokens."""
+    temp = [i for i in PLAIN if ROWS[i][0] > 0]
+    drawn = run(logits, temp, "tp", False, 0)
+    assert not np.array_equal(run(logits, temp, "tp", False, 0, draw=False)["tokens"],
+                              drawn["tokens"])  # fmt: skip
+    biased = run(logits, GREEDY, "tp", False, 0, transforms=neutral_transforms(100.0))
+    plain = run(logits, GREEDY, "tp", False, 0, draw=False)
+    assert not np.array_equal(plain["tokens"], biased["tokens"])
+    assert np.array_equal(plain["tokens"], run(logits, GREEDY, "tp", False, 0)["tokens"])
+
+
+def test_draw_flag_is_static_and_refused_unless_a_bool() -> None:
+    """draw is part of the pytree structure (another trace, another executable-cache key), as
+    the other two flags; a non-bool is refused by name."""
+    on, off = inputs(GREEDY, False, 0), inputs(GREEDY, False, 0, draw=False)
+    assert jax.tree_util.tree_structure(on) != jax.tree_util.tree_structure(off)
+    assert args_signature([on]) != args_signature([off])
+    with pytest.raises(TypeError, match="draw must be a bool"):
+        inputs(GREEDY, False, 0, draw=1)  # type: ignore[arg-type]

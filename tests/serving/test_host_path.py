@@ -55,7 +55,7 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeyp
         plan = [(seqs[i], 1) for i in order]
         *arrays, variant = r._ahead_rows(plan, 4)  # and the step's sampler variant
         # the variant of its rows: only the greedy sequence alone needs no top-k/top-p filter
-        assert variant == (LEAN if order == [1] else FULL).fields(), order
+        assert variant == (LEAN if order == [1] else FULL), order
         return [np.asarray(a).copy() for a in arrays]
 
     def expect(order):

@@ -17,7 +17,7 @@ import pytest
 from serving import sampler_variants
 from serving.engine import Engine
 from serving.faults import EngineStepError
-from serving.sampler_variants import FULL, LEAN
+from serving.sampler_variants import FULL, GREEDY, LEAN, ON_DEMAND
 
 # One shape: T = S = 32 (a decode step's S bucket = its T bucket: it can go ahead), Pmax 8; so
 # two executables, lean and full.
@@ -47,7 +47,8 @@ def spy(eng: Engine) -> list[sampler_variants.Variant]:
     inner = eng.runner.step_fn
 
     def step(params, kv, batch, sampling):  # noqa: ANN001, ANN202
-        seen.append(sampler_variants.Variant(sampling.filter_topk_topp, sampling.top_logprobs))
+        seen.append(sampler_variants.Variant(sampling.filter_topk_topp, sampling.top_logprobs,
+                                             sampling.draw, sampling.logits is not None))
         return inner(params, kv, batch, sampling)
 
     eng.runner.step_fn = step
@@ -116,7 +117,7 @@ def test_negative_control_a_step_run_lean_for_a_top_p_row_changes_its_bits(
     reqs = requests(engine.cfg.vocab_size)
     keep = ("greedy", "temperature", "top_p")
     want = run(engine, {rid: reqs[rid] for rid in keep})
-    monkeypatch.setattr(sampler_variants, "for_step", lambda *a: LEAN.fields())  # broken
+    monkeypatch.setattr(sampler_variants, "step_variant", lambda *a: LEAN)  # broken
     got = run(engine, {rid: reqs[rid] for rid in keep})
     assert same(got["greedy"], want["greedy"]) and same(got["temperature"], want["temperature"])
     assert not same(got["top_p"], want["top_p"])
@@ -125,3 +126,36 @@ def test_negative_control_a_step_run_lean_for_a_top_p_row_changes_its_bits(
     with pytest.raises(EngineStepError, match="without top log-probs"):
         while engine.has_unfinished():
             engine.step()
+
+
+def test_on_demand_greedy_steps_have_the_bits_of_every_other_variant(
+    serving_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`jdet generate`'s set (ON_DEMAND: GREEDY first): a greedy request alone runs GREEDY (no
+    draw, no transforms), and its bits equal those it gets batched with a temperature request
+    and a greedy request with a logit bias (LEAN: draw and transforms built), sync and async.
+    Control: a policy that runs GREEDY for every step drops the bias and the draw, and both
+    other requests' outputs change."""
+    monkeypatch.setattr(sampler_variants, "VARIANTS", ON_DEMAND)
+    eng = Engine(serving_model, **SETTINGS, async_scheduling=True)
+    reqs = requests(eng.cfg.vocab_size)
+    greedy, common = reqs["greedy"], dict(ignore_eos=True, max_tokens=12)
+    alone_tokens = run(eng, {"greedy": greedy})["greedy"][0]
+    biased = (reqs["temperature"][0], dict(common, temperature=0.0,
+                                           logit_bias={alone_tokens[3]: 4.0}))  # fmt: skip
+    mix = {"greedy": greedy, "temperature": reqs["temperature"], "biased": biased}
+    seen = spy(eng)
+    alone = {rid: run(eng, {rid: r})[rid] for rid, r in mix.items()}
+    assert seen[0] == GREEDY and set(seen) == {GREEDY, LEAN}  # greedy alone: GREEDY only
+    for async_scheduling in (True, False):
+        eng.async_scheduling = async_scheduling
+        seen.clear()
+        batched = run(eng, mix)
+        assert set(seen) == {LEAN}
+        for rid in mix:
+            assert same(batched[rid], alone[rid]), (rid, async_scheduling)
+    monkeypatch.setattr(sampler_variants, "step_variant", lambda *a: GREEDY)  # broken
+    broken = run(eng, mix)
+    assert same(broken["greedy"], alone["greedy"])
+    assert not same(broken["temperature"], alone["temperature"])
+    assert not same(broken["biased"], alone["biased"])
