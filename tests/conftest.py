@@ -10,6 +10,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# torch (transformers references, checkpoint writers) on one OpenMP thread, here and in the
+# subprocesses and notebook kernels that inherit this environment. Why: the tests' models are tiny,
+# so torch's threads cost more than they give, and under the README's `-n 2` on a 2-core machine
+# each worker's spinning OpenMP threads take the other worker's core. Measured on the 2-core box
+# (notebook 01's transformers cell, 8 batched generates): 26-35 CPU s with torch's default 2
+# threads, 5-9 CPU s with one. jdet's own invariant steps already compile for one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # jdet's persistent compilation cache goes to a temporary directory, never the user's
 # ~/.cache/jdet: one per pytest run, since subprocesses inherit it and so do xdist's workers (the
 # controller loads this file before it starts them; checked under -n 2: both workers named the
