@@ -112,6 +112,10 @@ class Ops:
     # gather attention. Same arithmetic as apply_rope; whether Triton contracts to FMA where
     # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`).
     rope_kv: bool = False
+    # The split attention's merge kernel writes the final [rows, H, E] output itself, padding
+    # rows zeroed, instead of a gather + select fusion after it (`direct_out` of
+    # pallas_kernels/paged_attention_pallas.py; the same values in the same places).
+    attn_direct_out: bool = False
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -289,6 +293,7 @@ class Ops:
                 meta=meta,
                 out_rows=out_rows,
                 q_heads=q_heads,
+                direct_out=bool(self.attn_direct_out),
             )
         if q_heads is not None:
             raise ValueError("query tiles (rope_kv) need the Pallas paged attention")

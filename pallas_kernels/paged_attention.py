@@ -88,6 +88,7 @@ def paged_attention(
     meta: dict | None = None,
     out_rows: int | None = None,
     q_heads: int | None = None,
+    direct_out: bool = False,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
@@ -98,7 +99,8 @@ def paged_attention(
     operands, `attention_meta`) and `out_rows` (return that many rows, zeros past T) let a
     caller hoist per-step work out of its layer loop and skip the next matmul's row padding.
     `q_heads`: q is already the Pallas kernel's query tiles (pallas_kernels/rope_kv.py); the
-    XLA version takes q[T, H, E] only and refuses it.
+    XLA version takes q[T, H, E] only and refuses it. `direct_out`: the Pallas merge kernel
+    writes the final rows itself (`_paged_attention_pallas`); the XLA version ignores it.
     """
     if _platform.resolve(backend, "paged_attention") == "pallas":
         if k_cache.dtype == jnp.uint16:  # CPU storage of a 16-bit cache (jdet/kv_cache.py)
@@ -108,6 +110,7 @@ def paged_attention(
             scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
             structure=structure, block_rows=block_rows, num_warps=num_warps,
             num_stages=num_stages, meta=meta, out_rows=out_rows, q_heads=q_heads,
+            direct_out=direct_out,
         )  # fmt: skip
     if q_heads is not None:
         raise ValueError("paged_attention: q_heads (query tiles) needs the Pallas backend")

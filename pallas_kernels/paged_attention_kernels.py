@@ -248,7 +248,13 @@ def _merge_kernel(lim_ref, acc_ref, m_ref, l_ref, o_ref, *, plan: _Plan):
     """
     lim = lim_ref[...]  # [G_pad]
     row_ok = lim >= 0
-    gp, e = o_ref.shape
+    _store_rows(o_ref, _merged(lim, acc_ref, m_ref, l_ref, plan, o_ref.dtype), row_ok)
+
+
+def _merged(lim, acc_ref, m_ref, l_ref, plan: _Plan, dtype):
+    """The merge kernels' fold of one token's partitions (`_merge_kernel` docstring): [G_pad, E]."""
+    row_ok = lim >= 0
+    gp, e = acc_ref.shape[-2:]
     n_parts = _num_parts(lim, plan)
 
     def load(j):
@@ -266,7 +272,38 @@ def _merge_kernel(lim_ref, acc_ref, m_ref, l_ref, o_ref, *, plan: _Plan):
 
     init = (_sentinel(gp, e), tuple(load(jnp.int32(d)) for d in range(MERGE_PREFETCH)))
     state, _ = lax.fori_loop(0, n_parts, body, init)
-    _store_rows(o_ref, _finish(state, o_ref.dtype), row_ok)
+    return _finish(state, dtype)
+
+
+def _merge_rows_kernel(lim_ref, tok_ref, ok_ref, acc_ref, m_ref, l_ref, o_ref, *, plan: _Plan,
+                       g: int, block_q: int, num_tiles: int):  # fmt: skip
+    """`_merge_kernel` writing the attention's final layout itself: o_ref is the whole output
+    [rows_out, H, E]; program (tile i, kv head k, row r) stores its token's heads k*G.. (the
+    same values, so the same bits), and zeros head k's columns of the output rows no token owns
+    (padding tokens, rows T..rows_out: the next matmul's padding), rows i*block_q + r +
+    n*num_tiles*block_q. Saves the gather + select fusion after the merge."""
+    i, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lim = lim_ref[...]  # [G_pad]: row r of tile i, its G_pad heads; < 0: not attended
+    rows_out, h, e = o_ref.shape
+    gp = lim.shape[0]
+    t = ok_ref.shape[0]
+    out = _merged(lim, acc_ref, m_ref, l_ref, plan, o_ref.dtype)
+    gi = lax.broadcasted_iota(jnp.int32, (gp, 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (1, e), 1)
+    # heads past G (G_pad padding) point past H: masked, and never another row's element
+    heads = jnp.where(gi < g, kh * g + gi, h + gi)
+    from jax.experimental.pallas import triton as pltriton
+
+    mask = jnp.broadcast_to((lim >= 0)[:, None], (gp, e))
+    pltriton.store(o_ref.at[tok_ref[i, r], heads, cols], out, mask=mask)
+    head_ok = jnp.broadcast_to(gi < g, (gp, e))
+    zero = jnp.zeros((gp, e), o_ref.dtype)
+    for n in range(-(-rows_out // (num_tiles * block_q))):
+        j = (i * block_q + r) + n * num_tiles * block_q
+        jc = jnp.minimum(j, rows_out - 1)
+        owned = (j < t) & ok_ref[jnp.minimum(j, t - 1)]
+        free = (j < rows_out) & jnp.logical_not(owned)
+        pltriton.store(o_ref.at[jc, heads, cols], zero, mask=head_ok & free)
 
 
 def _looped_kernel(pt_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan):

@@ -18,6 +18,7 @@ from pallas_kernels.paged_attention_kernels import (
     _check,
     _looped_kernel,
     _merge_kernel,
+    _merge_rows_kernel,
     _next_pow2,
     _Plan,
     _precision,
@@ -76,7 +77,7 @@ def attention_meta(
     jax.jit,
     static_argnames=(
         "scale", "partition_size", "block_kv", "structure", "block_rows", "num_warps",
-        "num_stages", "out_rows", "q_heads",
+        "num_stages", "out_rows", "q_heads", "direct_out",
     ),
 )  # fmt: skip
 def _paged_attention_pallas(
@@ -99,8 +100,13 @@ def _paged_attention_pallas(
     meta: dict | None = None,
     out_rows: int | None = None,
     q_heads: int | None = None,
+    direct_out: bool = False,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
+
+    `direct_out`: in the split layout, the merge kernel writes the [out_rows or T, H, E] result
+    itself, padding rows zeroed (`_merge_rows_kernel`), instead of a gather + select after it:
+    the same values in the same places, one launch fewer. The looped layout ignores it.
 
     With `q_heads`, q is already in the kernel's query-tile layout [NT, K, rows, E] for `meta`
     (pallas_kernels/rope_kv.py writes it with RoPE applied) and holds q_heads heads: the gather +
@@ -245,6 +251,27 @@ def _paged_attention_pallas(
             compiler_params=compiler_params,
             name=f"paged_attention_split_{tag}",
         )(*hb, pt, lim, q_tiles, k_cache, v_cache)
+        rows_out = out_rows or t
+        if direct_out and rows_out >= t:
+            whole = [pl.BlockSpec(meta["tok_c"].shape, lambda i, k, r: (0, 0)),
+                     pl.BlockSpec(meta["tok_ok"].shape, lambda i, k, r: (0,))]  # fmt: skip
+            return pl.pallas_call(
+                functools.partial(_merge_rows_kernel, plan=plan, g=g, block_q=block_q,
+                                  num_tiles=nt),  # fmt: skip
+                grid=(nt, kh, block_q),
+                in_specs=[
+                    pl.BlockSpec((None, gp), lambda i, k, r: (i, r)),
+                    *whole,
+                    pl.BlockSpec((None, None, num_parts, gp, e), lambda i, k, r: (i, k, 0, r, 0)),
+                    pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+                    pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+                ],
+                out_specs=pl.BlockSpec((rows_out, h, e), lambda i, k, r: (0, 0, 0)),
+                out_shape=jax.ShapeDtypeStruct((rows_out, h, e), q.dtype),
+                interpret=interpret,
+                compiler_params=merge_params,
+                name=f"paged_attention_merge_rows_{tag}",
+            )(lim, meta["tok_c"], meta["tok_ok"], acc, m, lsum)
         out = pl.pallas_call(
             functools.partial(_merge_kernel, plan=plan),
             grid=(nt, kh, block_q),

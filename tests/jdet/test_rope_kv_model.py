@@ -6,6 +6,7 @@ rows (the kernel reads the projection's rows in place) and the tiny Qwen3-style 
 qk-norm: the kernel takes the normalised q, k, v). Negative control: the kernel fed slots shifted
 by one (its writes miss the pages attention reads) changes the logits the comparisons see.
 `gpu`: the compiled steps (prefill + greedy decodes, tokens and log-probs) flag on vs off.
+`Ops.attn_direct_out` (the merge kernel writing the output rows itself) rides along.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def _check_flag(cfg, params, ops) -> None:
     assert np.array_equal(one_on, one_off)  # flag on = off
     assert np.array_equal(chunked_on, chunked_off)
     assert np.array_equal(chunked_on, one_on)  # chunked = one-shot with the flag on
+    # + the merge kernel writing the output rows itself (Ops.attn_direct_out)
+    both = dataclasses.replace(on, attn_direct_out=True)
+    one_both, chunked_both = _one_shot_and_chunked(both, cfg, params)
+    assert np.array_equal(one_both, one_off) and np.array_equal(chunked_both, chunked_off)
     # control: a kernel writing one slot off is seen by the same comparisons
     bad = _shifted(on)
     one_bad, chunked_bad = _one_shot_and_chunked(bad, cfg, params)
@@ -198,12 +203,14 @@ def _greedy(cfg, params, ops_kw: dict, steps: int = 6):
 
 @pytest.mark.gpu
 def test_gpu_rope_kv_flag_changes_no_bit_in_the_engine_step():
-    """make_tp_step with rope_kv=1 (what `decode_bench --variants rope_kv=1` runs) vs without:
-    greedy tokens and log-probs bitwise, prefill + decodes, Llama-style (fused q|k|v)."""
+    """make_tp_step with rope_kv=1 and/or attn_direct_out=1 (what `decode_bench --variants
+    rope_kv=1` runs) vs without: greedy tokens and log-probs bitwise, prefill + decodes,
+    Llama-style (fused q|k|v)."""
     cfg = tiny_cfg(model_type="llama", qkv_bias=False, o_bias=False, qk_norm=False,
                    num_layers=2, **GPU_SHAPE)  # fmt: skip
     params = init_params(cfg, seed=0, dtype=jnp.bfloat16, scale=0.08)
     tok_off, lp_off = _greedy(cfg, params, {})
-    tok_on, lp_on = _greedy(cfg, params, {"rope_kv": 1})
-    assert np.array_equal(tok_on, tok_off)
-    assert np.array_equal(lp_on, lp_off)
+    for kw in ({"rope_kv": 1}, {"attn_direct_out": 1}, {"rope_kv": 1, "attn_direct_out": 1}):
+        tok_on, lp_on = _greedy(cfg, params, kw)
+        assert np.array_equal(tok_on, tok_off), kw
+        assert np.array_equal(lp_on, lp_off), kw
