@@ -2,13 +2,15 @@
 
 Measures, on this machine's CPU, side by side in one process where it can:
 - `cli`: `jdet generate "Return a list of" --max-tokens 24` end to end (a fresh process: import,
-  load, compile, generate, exit), wall seconds; best of --repeats, with the compile cache off
-  (cold) and on (warm: the second run of a user);
+  load, compile, generate, exit), wall seconds (median and min of --repeats) and the process's
+  CPU seconds (median), with the compile cache off (cold) and on (warm: the second run of a
+  user), alternately, each with the load average before it;
 - `decode`: steady-state batch-1 greedy decode tokens/s in "tp", "batch" and "none" (a long
   generation minus a short one, both after a warm-up, so compile and prefill cancel out);
 - `offline`: an offline batch of 64 prompts (48 new tokens each) through jdet.LLM in "tp" vs
   "none": wall seconds after a warm-up and the ratio.
-A shared machine is noisy: every figure is the best of --repeats runs, and the JSON says so.
+A shared machine is noisy: the decode and offline figures are the best of --repeats runs, and
+the JSON says so.
 
     python -m benchmarks.cpu_bench [--out cpu_bench.json] [--repeats 3] [--only cli,decode,offline]
 """
@@ -19,6 +21,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,26 +31,42 @@ import time
 PROMPT = "Return a list of"
 
 
-def _cli_seconds(cache_dir: str | None) -> float:
+def _cli_run(cache_dir: str | None) -> tuple[float, float, float]:
+    """(wall s, CPU s (user + sys of the process), 1-min load average before it) of one
+    `jdet generate`. The CPU time is what a loaded shared machine inflates least."""
     env = dict(os.environ)
     cmd = [sys.executable, "-m", "jdet", "generate", PROMPT, "--max-tokens", "24"]
     if cache_dir is None:
         cmd.append("--no-compile-cache")
     else:
         env["JDET_CACHE_DIR"] = cache_dir
+    load = os.getloadavg()[0]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, capture_output=True)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+    return wall, cpu, load
+
+
+def _summary(runs: list[tuple[float, float, float]]) -> dict:
+    wall, cpu, load = zip(*runs, strict=True)
+    return {"median_s": round(statistics.median(wall), 2), "min_s": round(min(wall), 2),
+            "median_cpu_s": round(statistics.median(cpu), 2),
+            "loads": [round(x, 1) for x in load]}  # fmt: skip
 
 
 def bench_cli(repeats: int) -> dict:
-    cold = min(_cli_seconds(None) for _ in range(repeats))
+    """Cold (compile cache off) and warm (its second run) alternately, `repeats` each."""
+    cold, warm = [], []
     with tempfile.TemporaryDirectory(prefix="jdet-cpu-bench-") as d:
-        _cli_seconds(d)  # fills the persistent compile cache
-        warm = min(_cli_seconds(d) for _ in range(repeats))
+        _cli_run(d)  # fills the persistent compile cache and jdet's executable cache
+        for _ in range(repeats):
+            cold.append(_cli_run(None))
+            warm.append(_cli_run(d))
     return {"what": f'jdet generate "{PROMPT}" --max-tokens 24, process start to exit',
-            "cold_compile_cache_s": round(cold, 2), "warm_compile_cache_s": round(warm, 2),
-            "target_s": 4.0}  # fmt: skip
+            "cold": _summary(cold), "warm": _summary(warm), "target_s": 4.0}  # fmt: skip
 
 
 def _gen_seconds(llm, prompts, max_tokens: int) -> float:
@@ -73,6 +93,7 @@ def bench_decode(repeats: int, modes=("tp", "batch", "none")) -> dict:
             long = _gen_seconds(llm, [PROMPT], 128)
             best = max(best, (128 - 16) / max(long - short, 1e-9))
         out[f"{mode}_tok_s"] = round(best, 1)
+    out["load"] = round(os.getloadavg()[0], 1)
     return out
 
 
@@ -97,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="cpu_bench.json")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", default="cli,decode,offline")
+    p.add_argument("--modes", default="tp,batch,none", help="decode: invariance modes to time")
     a = p.parse_args(argv)
     import jax
 
@@ -105,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "jax": jax.__version__, "kernel_backend": _platform.kernel_backend(),
            "note": f"best of {a.repeats} runs on a possibly shared machine"}  # fmt: skip
-    parts = {"cli": bench_cli, "decode": bench_decode, "offline": bench_offline}
+    modes = tuple(a.modes.split(","))
+    parts = {"cli": bench_cli, "decode": lambda r: bench_decode(r, modes), "offline": bench_offline}
     for name in a.only.split(","):
         res[name] = parts[name](a.repeats)
         print(json.dumps({name: res[name]}), flush=True)
