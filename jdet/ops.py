@@ -104,18 +104,23 @@ class Ops:
     # rows past T, which then hold whatever the buffer held: rows never mix, so no real row can
     # see them; the matmuls, the only readers, are row-independent). At batch 1 a decode step
     # normalises 1 row instead of 64 (the fused combine kernel read 64 rows of f32 parts).
+    # Measured, no gain: H100, Llama-3-8B batch 1, 7.30 -> 7.26 ms alone, 7.02 -> 7.09 ms on top
+    # of rope_kv + attn_direct_out (the spread between variants of one run is ~0.05 ms).
     norm_token_rows: bool = False
     # RoPE, the K/V cache write and the query's gather into the attention kernel's tile layout
     # as one Pallas kernel (`rope_kv`, pallas_kernels/rope_kv.py) instead of ~5 XLA fusions a
     # layer. Only where the Pallas paged attention runs (a GPU; a CPU only under
     # JDET_PALLAS_INTERPRET=1, interpreted): ignored on the CPU's xla_fixed path and by XLA's
     # gather attention. Same arithmetic as apply_rope; whether Triton contracts to FMA where
-    # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`).
-    rope_kv: bool = False
+    # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`: same
+    # bits). H100, one run (decode_bench variants, Llama-3-8B, batch 1, ctx 1024): 7.25 -> 7.11
+    # ms alone, 7.02 ms with attn_direct_out.
+    rope_kv: bool = True
     # The split attention's merge kernel writes the final [rows, H, E] output itself, padding
     # rows zeroed, instead of a gather + select fusion after it (`direct_out` of
-    # pallas_kernels/paged_attention_pallas.py; the same values in the same places).
-    attn_direct_out: bool = False
+    # pallas_kernels/paged_attention_pallas.py; the same values in the same places). H100:
+    # 7.30 -> 7.12 ms alone (Llama-3-8B, batch 1, ctx 1024), 7.02 with rope_kv (above).
+    attn_direct_out: bool = True
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
