@@ -206,7 +206,8 @@ def row_for(model: Any, mode: str, batch: int, ctx: int, dev_s: float, ceil: dic
 
 def parse_variant(v: str) -> dict:
     """'attn_partition=128' -> {'attn_partition': 128} ('+' joins several fields). A dotted key
-    ('pallas_kernels.rms_norm.UNROLL=0') names a module-level kernel knob (`module_knobs`)."""
+    ('pallas_kernels.paged_attention_pallas.SPLIT_BELOW_PROGRAMS=0') names a module-level
+    kernel knob (`module_knobs`)."""
     out = {}
     for kv in v.split("+"):
         k, val = kv.split("=")

@@ -77,7 +77,7 @@ def layer_forward(
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
     if h is None:
-        h = ops.rms_norm(x, norms["attn_norm"], eps, layer, rows=T)
+        h = ops.rms_norm(x, norms["attn_norm"], eps, layer)
     qkv_rows = None  # the fused projection's rows, all of them (`Ops.rope_kv` reads them)
     if ops.fused:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
@@ -114,7 +114,7 @@ def layer_forward(
         x = x + (ops.row_matmul(attn, lp["wo"]) + lp["bo"])
         h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
     else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
-        x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer, rows=T)
+        x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
     if ops.fused:  # fused gate|up, as wqkv
         gate_up = ops.matmul(h, lp["w_gate_up"])
         gate, up = jnp.split(gate_up, 2, axis=-1)
@@ -123,7 +123,7 @@ def layer_forward(
         up = ops.matmul(h, lp["w_up"])
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     if next_norm is not None:
-        x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer, rows=T)
+        x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer)
         return x, kv, h_next
     x = x + ops.row_matmul(act, lp["w_down"])
     return x, kv, None
@@ -166,7 +166,7 @@ def hidden_states(
     # `logits_from_hidden`. The roll is one [L, D] copy a step, not one per layer.
     h = next_norm = None
     if ops.fold_down_norm():
-        h = ops.rms_norm(x, norms["attn_norm"], cfg.rms_norm_eps, jnp.int32(0), rows=T)
+        h = ops.rms_norm(x, norms["attn_norm"], cfg.rms_norm_eps, jnp.int32(0))
         next_norm = jnp.roll(norms["attn_norm"], -1, axis=0)
 
     def body(carry: tuple, xs: tuple) -> tuple:

@@ -100,13 +100,6 @@ class Ops:
     # (decode_bench variants, batch 1, ctx 1024): Llama-3-8B step 7.43 -> 7.17 ms, Qwen3-0.6B
     # 2.27 -> 2.25 ms.
     fuse_down_norm: bool = True
-    # The norm kernels run one program per token row only, not per padding row (`row_pad`'s
-    # rows past T, which then hold whatever the buffer held: rows never mix, so no real row can
-    # see them; the matmuls, the only readers, are row-independent). At batch 1 a decode step
-    # normalises 1 row instead of 64 (the fused combine kernel read 64 rows of f32 parts).
-    # Measured, no gain: H100, Llama-3-8B batch 1, 7.30 -> 7.26 ms alone, 7.02 -> 7.09 ms on top
-    # of rope_kv + attn_direct_out (the spread between variants of one run is ~0.05 ms).
-    norm_token_rows: bool = False
     # RoPE, the K/V cache write and the query's gather into the attention kernel's tile layout
     # as one Pallas kernel (`rope_kv`, pallas_kernels/rope_kv.py) instead of ~5 XLA fusions a
     # layer. Only where the Pallas paged attention runs (a GPU; a CPU only under
@@ -148,15 +141,13 @@ class Ops:
 
     # -- reductions over the hidden dimension ---------------------------------------------------
     def rms_norm(
-        self, x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None,
-        rows: int | None = None,
-    ) -> jax.Array:  # fmt: skip
-        """RMSNorm of x[T, D]; with `layer`, w is the stack [L, D] of every layer's weight.
-        `rows`: the leading rows that matter (`norm_token_rows`; the rest may be left unset)."""
+        self, x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None
+    ) -> jax.Array:
+        """RMSNorm of x[T, D]; with `layer`, w is the stack [L, D] of every layer's weight."""
         if self.invariant:
             from pallas_kernels import rms_norm
 
-            return rms_norm(x, w, eps, layer=layer, rows=rows if self.norm_token_rows else None)
+            return rms_norm(x, w, eps, layer=layer)
         if layer is not None:
             w = w[layer]
         xf = x.astype(jnp.float32)
@@ -185,7 +176,7 @@ class Ops:
 
     def residual_norm(
         self, x: jax.Array, a: jax.Array, w: jax.Array, norm_w: jax.Array, eps: float,
-        layer: jax.Array, rows: int | None = None,
+        layer: jax.Array,
     ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
         """(x + row_matmul(a, w), its RMSNorm with row `layer` of the stacked norm_w [L, D]).
 
@@ -198,10 +189,9 @@ class Ops:
 
             parts = tree_matmul_parts(a, w)
             if parts is not None:
-                rows = rows if self.norm_token_rows else None
-                return add_rms_norm(x, parts, norm_w, eps, layer=layer, rows=rows)
+                return add_rms_norm(x, parts, norm_w, eps, layer=layer)
         x = x + self.row_matmul(a, w)
-        return x, self.rms_norm(x, norm_w, eps, layer, rows)
+        return x, self.rms_norm(x, norm_w, eps, layer)
 
     def fold_down_norm(self) -> bool:
         """Whether the model folds down_proj's combine + residual add into the next layer's

@@ -140,17 +140,6 @@ def _num_parts(lim, plan: _Plan):
     return jnp.maximum((tile_lim + plan.partition_size - 1) // plan.partition_size, 0)
 
 
-# Whether `_partition` loads KV block b+1 while it computes block b (the loads ride in the loop
-# carry, as the merge kernel's partitions do): the page gathers of a block are a dependent round
-# of memory latency, which a decode program (4 blocks at ctx 1024, partition 256) pays per block.
-# The arithmetic is the same either way (the same values in the same operations); which is faster
-# is a GPU measurement (`decode_bench --variants pallas_kernels.paged_attention_kernels.
-# PREFETCH_KV=1`). Measured on an H100 (Llama-3-8B, batch 1, ctx 1024): 7.30 -> 7.21 ms alone,
-# 7.02 -> 7.04 ms on top of Ops.rope_kv + attn_direct_out, i.e. within the ~0.05 ms spread of
-# one run's variants: off.
-PREFETCH_KV = False
-
-
 def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     """Online softmax of partition j for every row: (m, l, acc) from the (-inf, 0, 0) sentinel.
 
@@ -164,12 +153,11 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     part_start = j * ps
     n_blk = jnp.clip((jnp.max(lim) - part_start + bk - 1) // bk, 0, ps // bk)
 
-    def load(b):
-        pages = pt_ref[pl.ds(j * ppp + b * ppb, ppb)]
-        return k_ref[pages].reshape(bk, e), v_ref[pages].reshape(bk, e)
-
-    def fold(b, carry, k, v):
+    def body(b, carry):
         m, lsum, acc = carry
+        pages = pt_ref[pl.ds(j * ppp + b * ppb, ppb)]
+        k = k_ref[pages].reshape(bk, e)
+        v = v_ref[pages].reshape(bk, e)
         s = _dot(q, k, 1, plan.precision) * plan.qk_scale
         kpos = part_start + b * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
         s = jnp.where(kpos < lim[:, None], s, -jnp.inf)
@@ -181,18 +169,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 0, plan.precision)
         return m_new, lsum, acc
 
-    if not PREFETCH_KV:
-        return lax.fori_loop(0, n_blk, lambda b, c: fold(b, c, *load(b)), _sentinel(rows, e))
-
-    last = ps // bk - 1  # the next block's pages, clamped inside this partition's page table
-
-    def body(b, carry):
-        state, k, v = carry
-        nxt = load(jnp.minimum(b + 1, last))
-        return (fold(b, state, k, v), *nxt)
-
-    state, _, _ = lax.fori_loop(0, n_blk, body, (_sentinel(rows, e), *load(jnp.int32(0))))
-    return state
+    return lax.fori_loop(0, n_blk, body, _sentinel(rows, e))
 
 
 def _sentinel(rows: int, e: int):

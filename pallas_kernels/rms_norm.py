@@ -32,29 +32,12 @@ def _load(ref, mask, other):
     return pltriton.load(ref, mask=mask, other=other)
 
 
-# Whether the kernels' two passes over D are unrolled (static Python loops: every block's loads
-# issued at once) or lax.fori_loops (one dependent load round per block). The same additions in
-# the same order either way (CPU interpret tests bitwise, GPU tests bitwise); which is faster is
-# a GPU measurement (`decode_bench --variants pallas_kernels.rms_norm.UNROLL=1`). Measured on an
-# H100 (Llama-3-8B, batch 1, ctx 1024, one run): 7.30 ms unrolled, 7.24 ms looped, i.e. no gain
-# (the variants of one run spread by ~0.05 ms), so the loops stay.
-UNROLL = False
-
-
-def _loop(steps: int, body, init, unroll: bool):
-    if not unroll:
-        return lax.fori_loop(0, steps, body, init)
-    for i in range(steps):
-        init = body(i, init)
-    return init
-
-
 def block_d_for(d: int) -> int:
     """Lanes per step over the hidden dim: a function of D only."""
     return min(1 << max(0, (d - 1).bit_length()), 1024)
 
 
-def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, unroll: bool):
+def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
     """One row. With `stacked`, w_ref is the flat [L*D] stack of every layer's weight and the
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
     launch) per norm per layer."""
@@ -76,7 +59,7 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, unroll: bool):
         x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
         return acc + x * x
 
-    ss = _loop(steps, sq_body, jnp.zeros((block_d,), jnp.float32), unroll)
+    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
     inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
 
     def out_body(i, carry):
@@ -90,7 +73,7 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, unroll: bool):
         pltriton.store(o_ref.at[idx], y, mask=mask)
         return carry
 
-    _loop(steps, out_body, 0, unroll)
+    lax.fori_loop(0, steps, out_body, 0)
 
 
 def rms_norm(
@@ -100,44 +83,30 @@ def rms_norm(
     *,
     layer: jax.Array | None = None,
     backend: str | None = None,
-    rows: int | None = None,
 ) -> jax.Array:
     """RMSNorm of x[T, D] with weight w[D]; f32 statistics, output in x.dtype, batch invariant.
 
     With `layer` (an int32 scalar), w is the stack [L, D] of every layer's weight and layer
     `layer`'s row is used: the kernel reads it in place (same bits as passing `w[layer]`).
     `backend`: 'auto' (this kernel; `xla_fixed.rms_norm` on a CPU unless JDET_PALLAS_INTERPRET=1),
-    'pallas' or 'xla'. `rows`: only x's first `rows` rows are normalised by the kernel (one
-    program each); the output's other rows are left unset. Row i's arithmetic is the same for
-    any `rows` (one program per row); the XLA path computes every row."""
+    'pallas' or 'xla'."""
     stacked = layer is not None
     w_row = w.shape[1:] if stacked else w.shape
     if x.ndim != 2 or w_row != (x.shape[1],) or (stacked and w.ndim != 2):
         want = "w[L, D] with `layer`" if stacked else "w[D]"
         raise ValueError(f"rms_norm expects x[T, D] and {want}; got {x.shape} and {w.shape}")
-    n = _grid_rows(x.shape[0], rows)
     if _platform.resolve(backend, "rms_norm") == "xla":
         from pallas_kernels import xla_fixed
 
         return xla_fixed.rms_norm(x, w[layer] if stacked else w, float(eps))
     if stacked:
-        return _rms_norm_pallas(
-            x, w.reshape(-1), float(eps), bool(UNROLL), n, jnp.asarray(layer, jnp.int32)
-        )
-    return _rms_norm_pallas(x, w, float(eps), bool(UNROLL), n)
+        return _rms_norm_pallas(x, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
+    return _rms_norm_pallas(x, w, float(eps))
 
 
-def _grid_rows(t: int, rows: int | None) -> int:
-    if rows is None:
-        return t
-    if not 0 < rows <= t:
-        raise ValueError(f"rows ({rows}) must be in 1..{t} (the rows of x)")
-    return rows
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "unroll", "n"))
+@functools.partial(jax.jit, static_argnames=("eps",))
 def _rms_norm_pallas(
-    x: jax.Array, w: jax.Array, eps: float, unroll: bool, n: int, layer: jax.Array | None = None
+    x: jax.Array, w: jax.Array, eps: float, layer: jax.Array | None = None
 ) -> jax.Array:
     t, d = x.shape
     block_d = block_d_for(d)
@@ -153,11 +122,9 @@ def _rms_norm_pallas(
         operands.insert(0, layer.reshape(1))
         in_specs.insert(0, pl.BlockSpec((1,), lambda i: (0,)))
     return pl.pallas_call(
-        functools.partial(
-            _rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked, unroll=unroll
-        ),
+        functools.partial(_rms_kernel, eps=float(eps), block_d=block_d, stacked=stacked),
         out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
-        grid=(n,),
+        grid=(t,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
         interpret=interpret,
@@ -167,7 +134,7 @@ def _rms_norm_pallas(
 
 
 def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float, block_d: int,
-                    groups: int, rows: int, unroll: bool):  # fmt: skip
+                    groups: int, rows: int):  # fmt: skip
     """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
     tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
     array (indexed like the stacked weight: the proven way to address a slice in place)."""
@@ -194,7 +161,7 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
         rf = r.astype(jnp.float32)
         return acc + rf * rf
 
-    ss = _loop(steps, sq_body, jnp.zeros((block_d,), jnp.float32), unroll)
+    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
     inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
 
     def out_body(i, carry):
@@ -205,13 +172,12 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
         pltriton.store(o_ref.at[idx], y, mask=mask)
         return carry
 
-    _loop(steps, out_body, 0, unroll)
+    lax.fori_loop(0, steps, out_body, 0)
 
 
 def add_rms_norm(
-    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, layer: jax.Array,
-    rows: int | None = None,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    x: jax.Array, parts: jax.Array, w: jax.Array, eps: float, *, layer: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """(r, rms_norm(r, w[layer])) with r = x + combine_tree(list(parts)).astype(x.dtype): the
     row-parallel projection's combine, the residual add and the next RMSNorm in one launch.
 
@@ -221,22 +187,18 @@ def add_rms_norm(
     add is, and the norm is `rms_norm`'s reduction plan (same block_d, same warps), so r and the
     normed rows equal the three-step path's bitwise (tests/jdet/test_step_fusion.py: in
     interpret mode on a CPU, compiled on the GPU). x[T, D], parts f32[G, T, D], w the stack [L, D].
-    GPU and interpret mode only (the CPU path keeps the unfused ops). `rows`: as `rms_norm`'s
-    (both outputs' later rows are left unset)."""
+    GPU and interpret mode only (the CPU path keeps the unfused ops)."""
     t, d = x.shape
     if parts.ndim != 3 or parts.shape[1:] != (t, d) or w.ndim != 2 or w.shape[1] != d:
         raise ValueError(
             f"add_rms_norm expects x[T, D], parts[G, T, D], w[L, D]; got {x.shape}, "
             f"{parts.shape}, {w.shape}"
         )
-    return _add_rms_norm_pallas(
-        x, parts, w.reshape(-1), float(eps), bool(UNROLL), _grid_rows(t, rows),
-        jnp.asarray(layer, jnp.int32),
-    )  # fmt: skip
+    return _add_rms_norm_pallas(x, parts, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "unroll", "n"))
-def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, n: int, layer):
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
     t, d = x.shape
     groups = parts.shape[0]
     interpret = _platform.interpret_default()
@@ -244,12 +206,12 @@ def _add_rms_norm_pallas(x, parts, w, eps: float, unroll: bool, n: int, layer):
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     flat = parts.reshape(-1)
     kernel = functools.partial(
-        _add_rms_kernel, eps=eps, block_d=block_d_for(d), groups=groups, rows=t, unroll=unroll
+        _add_rms_kernel, eps=eps, block_d=block_d_for(d), groups=groups, rows=t
     )
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, d), x.dtype)),
-        grid=(n,),
+        grid=(t,),
         in_specs=[
             pl.BlockSpec((1,), lambda i: (0,)),
             row,

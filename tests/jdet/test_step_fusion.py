@@ -109,32 +109,6 @@ def test_add_rms_norm_equals_combine_add_norm(interpret, groups):
     _check_add_norm(5, 96, groups)  # 96: ragged lanes (block_d 128)
 
 
-def _check_token_rows(t: int, d: int, n: int) -> None:
-    """`rows=n`: the kernels' first n rows are bitwise the all-rows call's (a program per row)."""
-    from pallas_kernels.rms_norm import add_rms_norm, rms_norm
-
-    x, parts, w = _add_norm_inputs(t, d, 2)
-    full = np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(1)))
-    some = np.asarray(rms_norm(x, w, 1e-6, layer=jnp.int32(1), rows=n))
-    assert np.array_equal(some[:n], full[:n])
-    r, h = add_rms_norm(x, parts, w, 1e-6, layer=jnp.int32(1))
-    r_n, h_n = add_rms_norm(x, parts, w, 1e-6, layer=jnp.int32(1), rows=n)
-    assert np.array_equal(np.asarray(r_n)[:n], np.asarray(r)[:n])
-    assert np.array_equal(np.asarray(h_n)[:n], np.asarray(h)[:n])
-    # control: a one-ulp change of row n-1 of x shows in the rows=n result
-    x2 = jnp.asarray(x).at[n - 1, 0].set(jnp.asarray(_bump(np.asarray(x[n - 1 : n, :1])))[0, 0])
-    bumped = np.asarray(rms_norm(x2, w, 1e-6, layer=jnp.int32(1), rows=n))
-    assert not np.array_equal(bumped[:n], full[:n])
-
-
-def test_norm_kernels_on_token_rows_only(interpret):
-    _check_token_rows(6, 96, 2)
-    from pallas_kernels.rms_norm import rms_norm
-
-    with pytest.raises(ValueError, match=r"rows \(7\) must be in 1\.\.6"):
-        rms_norm(jnp.zeros((6, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16), rows=7)
-
-
 def test_add_rms_norm_is_checked():
     from pallas_kernels.rms_norm import add_rms_norm
 
@@ -227,17 +201,6 @@ class _PaddedOps(Ops):
 
     def row_pad(self, t: int) -> int:
         return -(-t // 64) * 64
-
-
-def test_padded_stream_with_token_row_norms_changes_no_bit(interpret):
-    """The kernels' norms on the token rows only, padding rows left unset (`norm_token_rows`)."""
-    mode = "tp"
-    cfg = tiny_cfg()
-    params = tiny_params(cfg)
-    ops = Plan(cfg, mode).ops()
-    plain = _model_logits(ops, cfg, params)
-    rows = _PaddedOps(mode, attn_partition=ops.attn_partition, norm_token_rows=True)
-    assert np.array_equal(plain, _model_logits(rows, cfg, params))
 
 
 def test_padded_residual_stream_changes_no_bit():
@@ -339,7 +302,6 @@ def test_gpu_padded_step_equals_the_unfused_step(mode):
 def test_gpu_add_rms_norm_equals_combine_add_norm():
     for groups in (1, 2, 8):
         _check_add_norm(64, 4096, groups)
-    _check_token_rows(64, 4096, 1)
 
 
 @pytest.mark.gpu
@@ -350,6 +312,7 @@ def test_gpu_residual_norm_fusion_changes_no_bit():
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params(cfg))
     ops = Plan(cfg, "tp").ops()
     assert ops.fuse_residual_norm
+    assert ops.fold_down_norm()  # the default: down_proj's combine folded into the next norm too
     from pallas_kernels.tree_matmul import tree_matmul_parts
 
     wo = params["layers"]["wo"][0]
@@ -358,8 +321,3 @@ def test_gpu_residual_norm_fusion_changes_no_bit():
     old = _model_logits(dataclasses.replace(ops, fuse_residual_norm=False), cfg, params,
                         jnp.bfloat16)  # fmt: skip
     assert np.array_equal(new, old)
-    fold = dataclasses.replace(ops, fuse_down_norm=True)  # + down_proj folded into the next norm
-    assert fold.fold_down_norm()
-    assert np.array_equal(_model_logits(fold, cfg, params, jnp.bfloat16), old)
-    rows = dataclasses.replace(fold, norm_token_rows=True)  # + norms of the token rows only
-    assert np.array_equal(_model_logits(rows, cfg, params, jnp.bfloat16), old)
