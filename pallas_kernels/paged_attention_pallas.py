@@ -252,6 +252,13 @@ def _paged_attention_pallas(
             name=f"paged_attention_split_{tag}",
         )(*hb, pt, lim, q_tiles, k_cache, v_cache)
         rows_out = out_rows or t
+        # both merge kernels: program (tile, kv head, token) reads its row's limits and partials
+        lim_row = pl.BlockSpec((None, gp), lambda i, k, r: (i, r))
+        part_specs = [
+            pl.BlockSpec((None, None, num_parts, gp, e), lambda i, k, r: (i, k, 0, r, 0)),
+            pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+            pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
+        ]
         if direct_out and rows_out >= t:
             whole = [pl.BlockSpec(meta["tok_c"].shape, lambda i, k, r: (0, 0)),
                      pl.BlockSpec(meta["tok_ok"].shape, lambda i, k, r: (0,))]  # fmt: skip
@@ -259,13 +266,7 @@ def _paged_attention_pallas(
                 functools.partial(_merge_rows_kernel, plan=plan, g=g, block_q=block_q,
                                   num_tiles=nt),  # fmt: skip
                 grid=(nt, kh, block_q),
-                in_specs=[
-                    pl.BlockSpec((None, gp), lambda i, k, r: (i, r)),
-                    *whole,
-                    pl.BlockSpec((None, None, num_parts, gp, e), lambda i, k, r: (i, k, 0, r, 0)),
-                    pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
-                    pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
-                ],
+                in_specs=[lim_row, *whole, *part_specs],
                 out_specs=pl.BlockSpec((rows_out, h, e), lambda i, k, r: (0, 0, 0)),
                 out_shape=jax.ShapeDtypeStruct((rows_out, h, e), q.dtype),
                 interpret=interpret,
@@ -275,12 +276,7 @@ def _paged_attention_pallas(
         out = pl.pallas_call(
             functools.partial(_merge_kernel, plan=plan),
             grid=(nt, kh, block_q),
-            in_specs=[
-                pl.BlockSpec((None, gp), lambda i, k, r: (i, r)),
-                pl.BlockSpec((None, None, num_parts, gp, e), lambda i, k, r: (i, k, 0, r, 0)),
-                pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
-                pl.BlockSpec((None, None, num_parts, gp), lambda i, k, r: (i, k, 0, r)),
-            ],
+            in_specs=[lim_row, *part_specs],
             out_specs=pl.BlockSpec((None, None, gp, e), lambda i, k, r: (i, k, r, 0)),
             out_shape=o_shape,
             interpret=interpret,

@@ -140,13 +140,7 @@ class Scheduler:
         if want > budget[0]:
             self.num_deferred_verifies += 1
             return
-        while not self.pm.grow(seq, want):
-            victim = self.running[-1]
-            self._preempt(victim, plan, budget)
-            if victim is seq:
-                return
-        plan[seq] = want
-        budget[0] -= want
+        self._schedule_running(seq, plan, budget, want)  # a decode: never shrunk to fit
 
     def holds_last_token(self, seq: Sequence) -> bool:
         """Rejection mode: whether `seq`'s prefill must stop before its last token, a recompute
@@ -155,9 +149,14 @@ class Scheduler:
         samples the next position plainly."""
         return self.verify_tokens is not None and seq.num_output_tokens > 0 and not seq.is_score
 
-    def _schedule_running(self, seq: Sequence, plan: dict, budget: list[int]) -> None:
-        hold = int(seq.num_uncomputed > 1 and self.holds_last_token(seq))
-        want = min(seq.num_uncomputed - hold, budget[0])
+    def _schedule_running(
+        self, seq: Sequence, plan: dict, budget: list[int], want: int | None = None
+    ) -> None:
+        """`want` tokens of `seq` (default: its next chunk within the budget), preempting the
+        newest running sequence while its pages do not fit; a prefill chunk shrinks to fit."""
+        if want is None:
+            hold = int(seq.num_uncomputed > 1 and self.holds_last_token(seq))
+            want = min(seq.num_uncomputed - hold, budget[0])
         while not self.pm.grow(seq, want):
             fit = self.pm.tokens_fitting(seq, self.pm.num_free)
             if fit >= 1 and seq.num_uncomputed > 1:  # a prefill chunk may shrink to fit
