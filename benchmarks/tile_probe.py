@@ -42,8 +42,28 @@ def bio_configs(n: int) -> dict:
         "decode_s8": dataclasses.replace(mm.mosaic_config(n, out, m=1), max_concurrent_steps=8),
         "cta64x64_s12": mm.MosaicConfig(tile_m=64, tile_n=32, tile_k=mm.BLOCK_K,
                                         max_concurrent_steps=12, epi_tile_n=32),
+        # one consumer warpgroup (DECODE_CTA_N = 64): twice the CTAs of decode64x128; and 128-wide
+        # K steps (DECODE_TILE_K = 128): half the pipeline steps per CTA
+        "d64x64": _decode(64, 64),
+        "d64x64_k128": _decode(64, 128),
+        "d64x128_k128": _decode(128, 128),
     }  # fmt: skip
     return {k: c for k, c in cfgs.items() if n % c.cta_n == 0}
+
+
+def _decode(cta_n: int, tile_k: int, subtree: int = 1):
+    """`decode_config` with DECODE_CTA_N / DECODE_TILE_K set to these values."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import matmul_mosaic as mm
+
+    saved = mm.DECODE_CTA_N, mm.DECODE_TILE_K
+    mm.DECODE_CTA_N, mm.DECODE_TILE_K = cta_n, tile_k
+    try:
+        out = jnp.float32 if subtree > 1 else jnp.bfloat16
+        return mm.decode_config(out, subtree)
+    finally:
+        mm.DECODE_CTA_N, mm.DECODE_TILE_K = saved
 
 
 def tree_configs() -> dict:
@@ -58,6 +78,9 @@ def tree_configs() -> dict:
         "decode_s8": dataclasses.replace(
             mm.tree_config(4, mm.TREE_TILE_N, f32, False, small=True), max_concurrent_steps=8
         ),
+        "d64x64": _decode(64, 64, 4),
+        "d64x64_k128": _decode(64, 128, 4),
+        "d64x128_k128": _decode(128, 128, 4),
     }
 
 
@@ -132,7 +155,7 @@ def probe(out_dir: str, shapes=SHAPES, ms=MS) -> dict:
                     row["tree"][name], ref = _measure(f, a, b, t_xla, ref)
             rows.append(row)
             recs = {**row["bio"], **{"tree:" + t: v for t, v in row["tree"].items()}}
-            brief = {c: [round(v["x_xla"], 2), v["bits_equal_base"]] if "us" in v else v["error"]
+            brief = {c: [round(v["us"], 1), v["bits_equal_base"]] if "us" in v else v["error"]
                      for c, v in recs.items()}  # fmt: skip
             print(json.dumps({"k": k, "n": n, "m": m, "xla_us": round(t_xla * 1e6, 1), **brief}),
                   flush=True)  # fmt: skip
@@ -151,9 +174,13 @@ def run(out_dir) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out")
+    p.add_argument("--shapes", default="", help="K:N,K:N (default: SHAPES)")
+    p.add_argument("--ms", default="", help="row counts (default: 1,16,64)")
     a = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",") if s] or SHAPES
+    ms = [int(m) for m in a.ms.split(",")] if a.ms else MS
     try:
-        probe(a.out)
+        probe(a.out, shapes, ms)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         return 1

@@ -5,15 +5,17 @@ a TMA -> SMEM pipeline over K as deep as SMEM allows (4-6 stages), f32 wgmma acc
 registers, tiled epilogue through SMEM and TMA stores. Written after jax's
 `ops/gpu/hopper_matmul_mgpu.py` (same pipeline/epilogue API), without clusters.
 
-Reduction plan. The K blocking (64-wide wgmma steps into an f32 accumulator) is a function of K
-only; the CTA shape is a function of N and, for decode, of whether M <= 64 (`mosaic_config`), which
-moves work between CTAs but never changes an element's arithmetic; M is zero padded to the CTA
-rows. Every wgmma step is 64 wide in K and accumulates into an f32 register accumulator.
+Reduction plan. The K blocking (K=16 wgmma instructions, in increasing K, into an f32
+accumulator) is a function of K only; the CTA shape is a function of N and, for decode, of whether
+M <= 64 (`mosaic_config`), which moves work between CTAs but never changes an element's
+arithmetic; M is zero padded to the CTA rows. A pipeline step feeds 64 columns of K (128 on the
+decode CTAs: the same instructions in the same order, two steps' worth per barrier round trip)
+into an f32 register accumulator.
 Which SM computes a tile (the persistent schedule) varies with M, the arithmetic of a tile does not,
 so row i is bitwise the same for any M.
 - matmul (BIO): CTA 128 x 256 when N % 256 == 0, else 128 x 128 (N % 128 == 0 required),
-  64 x 128 when M <= 64, warpgroups side by side along N; one sequential K range = all of K per
-  output tile.
+  64 x 64 with one consumer warpgroup when M <= 64 (`decode_config`); one sequential K range =
+  all of K per output tile.
 - tree_matmul (TBIK, `tree_plan` leaves of k_first tiles): CTA 128x128, warpgroups stacked along M
   (64x128 f32 accumulator each). A work item is (leaf group, m tile, n tile); a group of `subtree`
   consecutive leaves is reduced in registers: each leaf accumulates its k_first steps sequentially
@@ -52,18 +54,19 @@ class MosaicConfig:
     tile_n: int  # columns per warpgroup
     tile_k: int
     max_concurrent_steps: int
-    wg_split: str = "N"  # the two consumer warpgroups sit side by side along "N" or "M"
+    wg_split: str = "N"  # the consumer warpgroups sit side by side along "N" or "M"
+    num_wgs: int = 2  # consumer warpgroups per CTA (1: a 64-wide decode CTA, see decode_config)
     subtree: int = 1  # leaves combined in registers per work item (1: each leaf is a work item)
     epi_tile_m: int = 64
     epi_tile_n: int = 64
 
     @property
     def cta_m(self) -> int:
-        return self.tile_m * (2 if self.wg_split == "M" else 1)
+        return self.tile_m * (self.num_wgs if self.wg_split == "M" else 1)
 
     @property
     def cta_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "N" else 1)
+        return self.tile_n * (self.num_wgs if self.wg_split == "N" else 1)
 
 
 def supports(k: int, n: int, dtype, tree: bool = False) -> bool:
@@ -75,16 +78,19 @@ def supports(k: int, n: int, dtype, tree: bool = False) -> bool:
 SMEM_BUDGET = 224 * 1024  # of the 227 KiB an H100 block may use; the rest is barriers
 
 
-def _stages(cta_m: int, cta_n: int, tile_m: int, tile_n: int, out_dtype) -> int:
+def _stages(cta_m: int, cta_n: int, tile_m: int, tile_n: int, out_dtype, wgs: int = 2,
+            tile_k: int = BLOCK_K) -> int:  # fmt: skip
     """Pipeline depth that fills SMEM: bf16 A and B tiles per stage + the epilogue buffers."""
-    stage = (cta_m * BLOCK_K + BLOCK_K * cta_n) * 2
+    stage = (cta_m * tile_k + tile_k * cta_n) * 2
     slots = min(2, (tile_m * tile_n) // (64 * 64))
-    epilogue = 2 * slots * 64 * 64 * jnp.dtype(out_dtype).itemsize
+    epilogue = wgs * slots * 64 * 64 * jnp.dtype(out_dtype).itemsize
     return int(min(6, (SMEM_BUDGET - epilogue) // stage))
 
 
 SMALL_M_ROWS = 64  # M at or below this runs on 64-row CTAs (see mosaic_config)
 SMALL_M_TILES = True  # benchmarks switch it off to measure what it buys
+DECODE_CTA_N = 64  # 128: two consumer warpgroups per decode CTA, half the CTAs (decode_config)
+DECODE_TILE_K = 128  # K columns per pipeline step of a decode CTA (64: twice the steps)
 
 
 def decode_rows(m: int) -> bool:
@@ -93,13 +99,24 @@ def decode_rows(m: int) -> bool:
 
 
 def decode_config(out_dtype, subtree: int = 1) -> MosaicConfig:
-    """CTA 64 x 128, warpgroups side by side along N (64 x 64 accumulators each)."""
+    """CTA 64 x DECODE_CTA_N, DECODE_TILE_K columns of K per pipeline step.
+
+    One consumer warpgroup at 64 columns, two side by side at 128: a 64 x 64 accumulator either
+    way, the same wgmma instructions per element; only the CTA count (and so the SMs streaming
+    weights) changes. 128-wide K steps halve the producer/consumer barrier round trips per CTA;
+    the instructions and their order stay those of two 64-wide steps. Measured on one H100 (same
+    process, BENCHMARKS run 10), batch-1 step, 64 x 128 / 64-wide K -> 64 x 64 / 128-wide K:
+    Llama-3-8B 7.03 -> 6.93 ms, Qwen3-0.6B 1.86 -> 1.76 ms; the q|k|v product (N = 6144) had
+    48 CTAs on 132 SMs and now has 96. tests/pallas_kernels/test_matmul.py checks every
+    combination against the 128-row plan on the GPU."""
+    wgs = DECODE_CTA_N // 64
     return MosaicConfig(
         tile_m=64,
         tile_n=64,
-        tile_k=BLOCK_K,
-        max_concurrent_steps=_stages(64, 128, 64, 64, out_dtype),
+        tile_k=DECODE_TILE_K,
+        max_concurrent_steps=_stages(64, 64 * wgs, 64, 64, out_dtype, wgs, DECODE_TILE_K),
         wg_split="N",
+        num_wgs=wgs,
         subtree=subtree,
     )
 
@@ -223,7 +240,7 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
                 ),
             ],
             wg_axis="wg",
-            num_compute_wgs=2,
+            num_compute_wgs=cfg.num_wgs,
             max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context,
         )
@@ -233,7 +250,9 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-        out_smem=plgpu.SMEM((2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM(
+            (cfg.num_wgs, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms
+        ),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem):
@@ -319,6 +338,8 @@ def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: 
     """[num_leaves / cfg.subtree, Mp, N] subtree products, Mp = M padded to the CTA rows."""
     m, k = a.shape
     n = b.shape[1]
+    if (k // num_leaves) % cfg.tile_k:  # a leaf must be whole pipeline steps: 64-wide steps
+        cfg = dataclasses.replace(cfg, tile_k=BLOCK_K)
     pad = -m % cfg.cta_m
     if pad:
         a = jnp.pad(a, ((0, pad), (0, 0)))
@@ -331,7 +352,7 @@ def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: 
         grid_names=("cluster_grid",),
         cluster=(1,),
         cluster_names=("cluster",),
-        num_threads=3,
+        num_threads=cfg.num_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import matmul_mosaic as _mosaic
 from pallas_kernels.combine import combine_tree
 from pallas_kernels.matmul_mosaic import (
     TREE_TILE_N,
@@ -63,13 +64,16 @@ def tree_strategy(m: int, n: int, num_leaves: int) -> tuple[int, bool, bool]:
     work items in groups of 4 on 132 SMs. H100, one layer's kernels in a 28/32-layer scan at 64
     rows (benchmarks/split_probe.py, BENCHMARKS run 8), us per layer, groups of 4 -> this rule:
     Qwen3-0.6B o (2048->1024) 7.2 -> 4.6 and down (3072->1024) 9.4 -> 5.8 (1 leaf); Llama-3-8B
-    down (14336->4096) 46.0 -> 44.0, o 15.6 -> 14.8 (2 leaves); bits equal in every case.
+    down (14336->4096) 46.0 -> 44.0, o 15.6 -> 14.8 (2 leaves); bits equal in every case. Since
+    run 10 a decode work item is 64 columns wide (matmul_mosaic.DECODE_CTA_N), so the same rule
+    gives the 8B o / down groups of 4 leaves (128 items) and fewer f32 parts to add.
     """
     small = decode_rows(m)
     tiles = pl.cdiv(m, 128) * (n // 128)  # whole-tree work items of the narrow config
     if tiles >= _num_sms():
         return num_leaves, TREE_WIDE, False
-    items = pl.cdiv(m, 64 if small else 128) * (n // 128)  # work items per leaf group
+    cta_n = _mosaic.DECODE_CTA_N if small else 128
+    items = pl.cdiv(m, 64 if small else 128) * (n // cta_n)  # work items per leaf group
     sub = min(4, num_leaves)
     while sub > 1 and (num_leaves // sub) * items < _num_sms() // 2:
         sub //= 2

@@ -183,8 +183,8 @@ def test_decode_split_gives_at_least_half_the_sms_a_work_item(monkeypatch):
 
     monkeypatch.setattr(tree_mosaic, "_num_sms", lambda: 132)
     s = tree_mosaic.tree_strategy
-    assert s(64, 4096, 8) == (2, False, True)  # Llama-3-8B o / down at batch 1: 128 items
-    assert s(64, 1024, 8) == (1, False, True)  # Qwen3-0.6B o / down: 64 items, the most there are
+    assert s(64, 4096, 8) == (4, False, True)  # Llama-3-8B o / down at batch 1: 128 items
+    assert s(64, 1024, 8) == (1, False, True)  # Qwen3-0.6B o / down: 128 items of 64 columns
     assert s(64, 8192, 8)[0] == 4  # wider N: groups of 4 already give 128 items
     assert s(64, 28672, 8)[0] == 8  # 224 whole-tree items fill the SMs
     assert s(2048, 4096, 8) == (8, tree_mosaic.TREE_WIDE, False)  # prefill: the whole tree
