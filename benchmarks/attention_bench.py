@@ -7,6 +7,9 @@ contiguously. Prefill (causal, one sequence): TFLOP/s and ratio to `jax.nn.dot_p
 with implementation='cudnn' (falling back to XLA where cuDNN is unavailable).
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_bench.py [out_dir]
+       [--sweep | --knobs base,pallas_kernels.paged_attention_pallas.SPLIT_WARPS=8,...]
+`--knobs`: the decode attention alone in a layer loop at the 8B and 0.6B shapes, µs per layer,
+per module-knob variant (`knob_rows`).
 """
 
 from __future__ import annotations
@@ -207,10 +210,95 @@ def sweep(out_dir: str) -> list:
     return rows
 
 
+# Decode shapes of the model's layer loop: (name, layers, q heads, kv heads), head dim 128,
+# page 16, partition 256 (Ops.attn_partition), batch 1 at context 1024, decode_bench's page-table
+# width there (128 pages: 4 of its 8 partitions are sentinels, as in the engine).
+LAYER_CASES = [("llama3-8b", 32, 32, 8), ("qwen3-0.6b", 28, 16, 8)]
+
+
+def layer_loop_us(layers: int, h: int, hkv: int, ctx: int = 1024, pmax: int = 128) -> float:
+    """Microseconds per layer of the attention as the model calls it inside its layer loop
+    (stacked cache read at the loop's layer, `meta` once per step, 64 output rows written by the
+    merge itself), batch 1: a fori_loop over the layers whose next query is the last output's
+    first row (one small XLA fusion a layer besides the kernels; the same for every variant)."""
+    from jax import lax
+
+    from pallas_kernels.paged_attention_pallas import attention_meta
+
+    key = jax.random.PRNGKey(3)
+    used = ctx // PAGE
+    num_pages = used + 8
+    shape = (layers, hkv, num_pages, PAGE, E)
+    kc = jax.random.normal(key, shape, jnp.bfloat16)
+    vc = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (1, h, E), jnp.bfloat16)
+    cols = jnp.minimum(jnp.arange(pmax, dtype=jnp.int32), used - 1)
+    pt, lens = cols[None], jnp.array([ctx], jnp.int32)
+    qs, pos = jnp.array([0, 1], jnp.int32), jnp.array([ctx - 1], jnp.int32)
+    ps = 256
+
+    @jax.jit
+    def step(q, kc, vc):
+        meta = attention_meta(pt, lens, qs, pos, t=1, g=h // hkv, num_pages=num_pages,
+                              page_size=PAGE, partition_size=ps)  # fmt: skip
+
+        def body(i, q):
+            out = paged_attention(q, kc, vc, pt, lens, qs, pos, scale=E**-0.5,
+                                  partition_size=ps, layer=i, meta=meta, out_rows=64,
+                                  structure="split", direct_out=True)  # fmt: skip
+            return out[:1]
+
+        return lax.fori_loop(0, layers, body, q)
+
+    return _time(step, q, kc, vc, iters=20, reps=5) / layers * 1e6
+
+
+def knob_rows(out_dir: str, variants: list[str]) -> list:
+    """`layer_loop_us` per variant: module knobs in decode_bench's --variants syntax
+    ('pallas_kernels.paged_attention_kernels.KV_GATHER_2D=1+...'; 'base' = the defaults),
+    each compiled afresh; the output bits of each variant are compared with the first's."""
+    import numpy as np
+
+    from benchmarks.decode_bench import module_knobs, parse_variant
+
+    rows, first = [], {}
+    for v in variants:
+        knobs = {} if v == "base" else parse_variant(v)
+        for name, layers, h, hkv in LAYER_CASES:
+            row = {"variant": v, "shape": name}
+            try:
+                with module_knobs(knobs):
+                    row["us_per_layer"] = layer_loop_us(layers, h, hkv)
+                    bits = np.asarray(_one_layer_bits(h, hkv)).view(np.uint16)
+                if name not in first:
+                    first[name] = bits
+                row["same_bits_as_first"] = bool(np.array_equal(bits, first[name]))
+            except Exception:  # noqa: BLE001 - keep the other variants
+                row["error"] = traceback.format_exc()[-2000:]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "attention_knobs.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return rows
+
+
+def _one_layer_bits(h: int, hkv: int, ctx: int = 1000) -> jax.Array:
+    """One decode attention at a context that ends inside a partition (so a static block loop
+    runs blocks past the end), for the bit comparison of `knob_rows`."""
+    q, kc, vc, pt = _paged_case(jax.random.PRNGKey(4), 1, h, hkv, 1024)
+    lens, qs = jnp.array([ctx], jnp.int32), jnp.array([0, 1], jnp.int32)
+    pos = jnp.array([ctx - 1], jnp.int32)
+    return paged_attention(q, kc, vc, pt, lens, qs, pos, scale=E**-0.5, partition_size=256,
+                           structure="split")  # fmt: skip
+
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = args[0] if args else os.environ.get("OUT", "out")
     if "--sweep" in sys.argv:
         sweep(out)
+    elif "--knobs" in sys.argv:  # --knobs base,MOD.KNOB=1+MOD.KNOB2=3,...
+        knob_rows(out, sys.argv[sys.argv.index("--knobs") + 1].split(","))
     else:
         run(out)

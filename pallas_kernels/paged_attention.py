@@ -39,6 +39,9 @@ Reduction plan (DESIGN §4; the split-KV scheme of seed 003):
   presumably), so
   the loop shape is part of the plan, and the layouts keep it identical.
 - Fixed per model: ROWS (MMA M), block_kv, partition_size, num_warps — bits change if any does.
+  How K/V and the page indices are loaded (paged_attention_kernels.py KV_GATHER_2D, PAGES_AHEAD,
+  STATIC_BLOCKS: 2-D gathers, indices ahead of the loop, a static block loop whose extra blocks
+  are the exact identities above) is not part of the plan: no summed value or order changes.
 
 Nothing depends on T, S or the batch composition except how many programs run.
 
@@ -82,8 +85,8 @@ def paged_attention(
     block_kv: int | None = None,
     structure: str = "auto",
     block_rows: int = ROWS,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     backend: str | None = None,
     meta: dict | None = None,
     out_rows: int | None = None,

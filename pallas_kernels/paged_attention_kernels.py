@@ -140,11 +140,70 @@ def _num_parts(lim, plan: _Plan):
     return jnp.maximum((tile_lim + plan.partition_size - 1) // plan.partition_size, 0)
 
 
+# Load-shape knobs of `_partition` (issue 11: where the split kernel's ~10 us at the 8B decode
+# go). Module-level ints so benchmarks/decode_bench.py --variants can flip them per compile; each
+# changes only how K/V and the page indices reach the registers, never a value that is summed or
+# the order of any sum, so the bits stay those of the default (CPU: interpret-mode tests; GPU:
+# tests/pallas_kernels/test_attention_knobs_gpu.py checks what Triton makes of them). 0 = off.
+# KV_GATHER_2D: a KV block is one [block_kv, E] gather (token -> page, slot) that feeds the dot
+#   as it is, instead of a [pages, page_size, E] load and a reshape (which may keep Triton's
+#   pipeliner from staging it in shared memory).
+KV_GATHER_2D = 0
+# PAGES_AHEAD: the partition's page indices are loaded once before the block loop, and each
+#   block picks its own from registers, so no block waits on a page-table load before its K/V
+#   loads can be issued.
+PAGES_AHEAD = 0
+# STATIC_BLOCKS: the block loop runs all partition_size / block_kv blocks (a static trip count,
+#   which Triton can software-pipeline); blocks past the tile's last needed position are exact
+#   identities (module docstring of paged_attention.py) and, with KV_GATHER_2D, masked loads
+#   that move no memory.
+STATIC_BLOCKS = 0
+
+
+def _block_page_index(plan: _Plan, per_token: bool):
+    """[n, block_kv] token -> page-of-partition index (per_token) or [n, pages_per_block]."""
+    nb = plan.partition_size // plan.block_kv
+    width = plan.block_kv if per_token else plan.block_kv // plan.page_size
+    b = lax.broadcasted_iota(jnp.int32, (nb, width), 0)
+    c = lax.broadcasted_iota(jnp.int32, (nb, width), 1)
+    if per_token:
+        return (b * plan.block_kv + c) // plan.page_size
+    return b * width + c
+
+
+def _kv_block(ref, pages, blk_ok, e: int, plan: _Plan):
+    """One KV block [block_kv, E]: `pages` are its pages [ppb] or (KV_GATHER_2D) each token's
+    page [block_kv]; with blk_ok False (a static-loop block past the tile's end) a 2-D load is
+    masked to zeros, the same values a masked block contributes (p = 0)."""
+    bk = plan.block_kv
+    if not KV_GATHER_2D:
+        return ref[pages].reshape(bk, e)
+    cols = lax.broadcasted_iota(jnp.int32, (1, e), 1)
+    idx = (pages[:, None], _token_slots(bk, plan.page_size), cols)
+    if blk_ok is None:
+        return ref[idx]
+    target = ref.at[idx] if not hasattr(ref, "at_rows") else ref.at_rows(idx)
+    return _masked_load(target, jnp.broadcast_to(blk_ok, (bk, e)),
+                        jnp.full((bk, e), _PAST_END_FILL, ref.dtype))  # fmt: skip
+
+
+# What a static loop's block past the tile's end reads instead of memory (the tests' control
+# sets NaN to show those blocks run and would change the bits if they were not identities).
+_PAST_END_FILL = 0.0
+
+
+def _token_slots(bk: int, page_size: int):
+    """[bk, 1] each token's slot in its page (KV_GATHER_2D)."""
+    return lax.broadcasted_iota(jnp.int32, (bk, 1), 0) % page_size
+
+
 def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     """Online softmax of partition j for every row: (m, l, acc) from the (-inf, 0, 0) sentinel.
 
     KV blocks of plan.block_kv tokens in increasing order; the tile stops after the last block any
     of its rows needs, which is an exact identity for the rows that need fewer (module docstring).
+    The load-shape knobs above change how blocks are fetched and the loop's trip count, never a
+    value: the blocks past the tile's end a static loop runs are those exact identities.
     """
     rows, e = q.shape
     bk, ps = plan.block_kv, plan.partition_size
@@ -152,12 +211,26 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     ppp = ps // plan.page_size
     part_start = j * ps
     n_blk = jnp.clip((jnp.max(lim) - part_start + bk - 1) // bk, 0, ps // bk)
+    per_token = bool(KV_GATHER_2D)
+    ahead = None
+    if PAGES_AHEAD:  # [nb, width] of this partition, then picked by block in registers
+        ahead = pt_ref[j * ppp + _block_page_index(plan, per_token)]
+
+    def pages_of(b):
+        if ahead is not None:
+            pick = lax.broadcasted_iota(jnp.int32, ahead.shape, 0) == b
+            return jnp.sum(jnp.where(pick, ahead, 0), axis=0)
+        if per_token:
+            tok = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            return pt_ref[j * ppp + b * ppb + tok // plan.page_size]
+        return pt_ref[pl.ds(j * ppp + b * ppb, ppb)]
 
     def body(b, carry):
         m, lsum, acc = carry
-        pages = pt_ref[pl.ds(j * ppp + b * ppb, ppb)]
-        k = k_ref[pages].reshape(bk, e)
-        v = v_ref[pages].reshape(bk, e)
+        pages = pages_of(b)
+        blk_ok = (b < n_blk) if STATIC_BLOCKS and per_token else None
+        k = _kv_block(k_ref, pages, blk_ok, e, plan)
+        v = _kv_block(v_ref, pages, blk_ok, e, plan)
         s = _dot(q, k, 1, plan.precision) * plan.qk_scale
         kpos = part_start + b * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
         s = jnp.where(kpos < lim[:, None], s, -jnp.inf)
@@ -169,7 +242,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 0, plan.precision)
         return m_new, lsum, acc
 
-    return lax.fori_loop(0, n_blk, body, _sentinel(rows, e))
+    return lax.fori_loop(0, ps // bk if STATIC_BLOCKS else n_blk, body, _sentinel(rows, e))
 
 
 def _sentinel(rows: int, e: int):

@@ -30,6 +30,16 @@ from pallas_kernels.paged_attention_kernels import (
 STRUCTURES = ("auto", "split", "looped")
 # "auto" runs the split-KV pair when fewer (query tile x kv head) programs than this exist.
 SPLIT_BELOW_PROGRAMS = 4096
+# Triton launch parameters where a call passes none (issue 11 knobs, module-level ints for
+# benchmarks/decode_bench.py --variants). They change no value or order the plan fixes, but
+# Triton's register layout (and so a row sum's order) may follow num_warps: the GPU test
+# tests/pallas_kernels/test_attention_knobs_gpu.py says which keep the bits of the default.
+SPLIT_WARPS = 4
+SPLIT_STAGES = 2
+LOOPED_WARPS = 4
+LOOPED_STAGES = 2
+# The merge kernels' warps; 0: from the shape (G_pad * E / 512, 1..8), as before.
+MERGE_WARPS = 0
 
 
 def attention_meta(
@@ -95,8 +105,8 @@ def _paged_attention_pallas(
     block_kv: int | None = None,
     structure: str = "auto",
     block_rows: int = ROWS,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     meta: dict | None = None,
     out_rows: int | None = None,
     q_heads: int | None = None,
@@ -196,13 +206,17 @@ def _paged_attention_pallas(
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
-        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
         # The merge holds (1 + MERGE_PREFETCH) x [G_pad, E] f32 per program: ~16 values per
         # thread per partial keeps it in registers.
-        merge_warps = max(1, min(8, gp * e // 512))
+        merge_warps = MERGE_WARPS or max(1, min(8, gp * e // 512))
         merge_params = pltriton.CompilerParams(num_warps=merge_warps, num_stages=1)
     if structure == "auto":
         structure = "split" if nt * kh < SPLIT_BELOW_PROGRAMS else "looped"
+    if not interpret:
+        split = structure == "split"
+        warps = num_warps or (SPLIT_WARPS if split else LOOPED_WARPS)
+        stages = num_stages or (SPLIT_STAGES if split else LOOPED_STAGES)
+        compiler_params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     cache_spec = pl.BlockSpec((None, num_pages, page_size, e), lambda i, k, *_: (k, 0, 0, 0))
     if stacked:
         # The kernel gets the whole cache as one page pool [L*K*P, B, E] and offsets its page
@@ -304,8 +318,21 @@ class _PagePool:
     def __init__(self, ref, off):
         self.ref, self.off = ref, off
 
-    def __getitem__(self, pages):
-        return self.ref[pages + self.off]
+    def __getitem__(self, idx):
+        return self.ref[self._shift(idx)]
+
+    def at_rows(self, idx: tuple):
+        """`ref.at[...]` of a (page, slot, column) index (KV_GATHER_2D's masked loads)."""
+        return self.ref.at[self._shift(idx)]
+
+    def _shift(self, idx):
+        if isinstance(idx, tuple):
+            return (idx[0] + self.off, *idx[1:])
+        return idx + self.off
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
 
 
 def _layered(kernel, stacked: bool, num_pages: int, kv_heads: int):

@@ -1,0 +1,258 @@
+"""The paged attention's speed knobs (issue 11) keep the bits of the default.
+
+Knobs: module-level ints read when the kernels are traced, flipped per compile by
+`benchmarks/decode_bench.py --variants` (pallas_kernels/paged_attention_kernels.py KV_GATHER_2D,
+PAGES_AHEAD, STATIC_BLOCKS, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_WARPS, SPLIT_STAGES,
+LOOPED_WARPS, LOOPED_STAGES, MERGE_WARPS). None changes a summed value or a summation order of
+the reduction plan, so a knob that Triton also compiles to the same arithmetic gives the default's
+bits, and only such a knob may become the default without a fingerprint change.
+
+CPU (interpret mode, conftest): the new load paths (2-D gathers, page indices ahead, a static
+block loop with masked past-the-end blocks), in the split and looped layouts and on a stacked
+cache, equal the default bitwise on a ragged batch whose last partitions are partial; controls
+(wrong slots, wrong pages, NaN past-the-end fill) show the comparison sees those paths. The
+knobs also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
+`gpu`: each knob compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
+output, and a ragged batch of 4) and at a 512-token prefill chunk (split and looped), against
+the default; control: another block_kv (a different plan) changes the bits at the same inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention_kernels as kern
+from pallas_kernels import paged_attention_pallas as launch
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention_pallas import attention_meta
+from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_batch, make_world
+
+_MODULES = {"kern": kern, "launch": launch}
+
+# The load-path knobs (new code paths, checked on the CPU too) ...
+LOAD_KNOBS = {
+    "gather2d": {"kern.KV_GATHER_2D": 1},
+    "ahead": {"kern.PAGES_AHEAD": 1},
+    "static": {"kern.STATIC_BLOCKS": 1},
+    "ahead_static": {"kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
+    "all_loads": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
+}
+# ... and the launch parameters (interpret mode ignores them: GPU only).
+LAUNCH_KNOBS = {
+    "stages1": {"launch.SPLIT_STAGES": 1},
+    "stages3": {"launch.SPLIT_STAGES": 3},
+    "stages4": {"launch.SPLIT_STAGES": 4},
+    "warps2": {"launch.SPLIT_WARPS": 2},
+    "warps8": {"launch.SPLIT_WARPS": 8},
+    "merge_warps4": {"launch.MERGE_WARPS": 4},
+    "merge_prefetch2": {"kern.MERGE_PREFETCH": 2},
+    "looped_warps8": {"launch.LOOPED_WARPS": 8},
+    "looped_stages3": {"launch.LOOPED_STAGES": 3},
+    "all_loads_stages3": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1,
+                          "kern.STATIC_BLOCKS": 1, "launch.SPLIT_STAGES": 3},  # fmt: skip
+}
+
+
+@contextlib.contextmanager
+def knobs(setting: dict):
+    """Set module knobs ('kern.NAME' / 'launch.NAME') for the traces inside, then restore; JAX's
+    caches are cleared around them (a jitted kernel would otherwise keep its old trace)."""
+    saved = []
+    for key, val in setting.items():
+        mod, name = key.split(".")
+        m = _MODULES[mod]
+        if not hasattr(m, name):
+            raise ValueError(f"unknown knob {key!r}")
+        saved.append((m, name, getattr(m, name)))
+        setattr(m, name, val)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        for m, name, val in saved:
+            setattr(m, name, val)
+        jax.clear_caches()
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpret mode)
+
+# Ragged (partition 32, block_kv 16): seq 0's last partition holds 8 of 32 positions, seq 1's
+# 13, so a static loop runs blocks past the tile's end; a prefill chunk of 19 tokens (two query
+# tiles), a decode and padding tokens in one step.
+_ENTRIES = [(0, 21, 19), (1, 12, 1)]
+
+
+def _world():
+    return make_world(7, [40, 13], kh=1, h=4, e=128, dtype=jnp.bfloat16)
+
+
+def _run(w, args, structure: str, layer: bool = False) -> np.ndarray:
+    q, k, v, *rest = args
+    kw = {}
+    if layer:  # the stacked cache [L, K, P, B, E], read at layer 1 in place (other layer: junk)
+        junk = jnp.asarray(np.random.default_rng(5).normal(size=k.shape), k.dtype)
+        k, v = jnp.stack([junk, k]), jnp.stack([junk, v])
+        kw["layer"] = jnp.int32(1)
+    out = paged_attention(q, k, v, *rest, scale=w.e**-0.5, partition_size=w.part,
+                          block_kv=w.block_kv, structure=structure, **kw)  # fmt: skip
+    return np.asarray(out.astype(jnp.float32))
+
+
+@functools.cache
+def _default(structure: str, layer: bool = False):
+    """(world, args, the default knobs' output): computed once per layout for the module."""
+    w = _world()
+    args, _ = build_batch(w, _ENTRIES, t_pad=24, s_pad=3)
+    return w, args, _run(w, args, structure, layer)
+
+
+# Together they run every new path once (each interpret-mode compile costs ~5 CPU s): the 2-D
+# gather with per-token page loads (gather2d); page indices ahead and a static loop with the
+# [pages, slot, E] loads (ahead_static); all three, the 2-D loads masked past the tile's end.
+@pytest.mark.parametrize("name", ["gather2d", "ahead_static", "all_loads"])
+def test_load_knobs_keep_the_split_layouts_bits(name):
+    w, args, want = _default("split")
+    assert want[:20].any() and not want[20:].any()  # padding tokens: zeros
+    with knobs(LOAD_KNOBS[name]):
+        assert_bits_equal(_run(w, args, "split"), want, name)
+
+
+def test_all_load_knobs_keep_the_looped_layouts_bits_on_a_stacked_cache():
+    """The looped layout (prefill) reading the stacked cache's page pool (_PagePool's 2-D and
+    masked loads) with every load knob on."""
+    w, args, want = _default("looped", True)
+    with knobs(LOAD_KNOBS["all_loads"]):
+        assert_bits_equal(_run(w, args, "looped", True), want, "looped, stacked")
+
+
+@pytest.mark.parametrize(
+    "name, patch",
+    [
+        # 2-D gather reading each token's neighbouring slot
+        ("gather2d", ("_token_slots", lambda bk, ps: (jnp.arange(bk)[:, None] + 1) % ps)),
+        # pages picked ahead for the next block (the last block wraps to the first)
+        ("ahead", ("_block_page_index", None)),
+        # blocks past the tile's end read NaN instead of zeros: they run, and count
+        ("all_loads", ("_PAST_END_FILL", float("nan"))),
+    ],
+)
+def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, name, patch):
+    w, args, want = _default("split")
+    attr, new = patch
+    if attr == "_block_page_index":
+        orig = kern._block_page_index
+
+        def new(plan, per_token):
+            idx = orig(plan, per_token)
+            return jnp.roll(idx, -1, axis=0)
+
+    monkeypatch.setattr(kern, attr, new)
+    with knobs(LOAD_KNOBS[name]):
+        got = _run(w, args, "split")
+    assert not np.array_equal(got, want), name
+
+
+def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
+    """Every load knob and the launch knobs pass the Pallas Triton lowering (split + merge at
+    the Llama-3-8B decode shape, stacked cache; exported for 'cuda' on the CPU, ptxas not run)."""
+    from jax import export
+
+    from pallas_kernels import _platform
+
+    monkeypatch.setattr(_platform, "interpret_default", lambda: False)
+    sd = jax.ShapeDtypeStruct
+    cache = sd((2, 8, 64, 16, 128), jnp.bfloat16)
+    t, s, pmax = 1, 1, 64
+
+    def f(q, kc, vc, pt, cl, qs, pos, layer):
+        meta = attention_meta(pt, cl, qs, pos, t=t, g=4, num_pages=64, page_size=16,
+                              partition_size=256)  # fmt: skip
+        return paged_attention(q, kc, vc, pt, cl, qs, pos, scale=0.1, partition_size=256,
+                               layer=layer, meta=meta, out_rows=64, structure="split",
+                               direct_out=True, backend="pallas")  # fmt: skip
+
+    args = (sd((t, 32, 128), jnp.bfloat16), cache, cache, sd((s, pmax), jnp.int32),
+            sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
+            sd((), jnp.int32))  # fmt: skip
+    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for setting in (LOAD_KNOBS["all_loads"], LAUNCH_KNOBS["all_loads_stages3"]):
+        with knobs(setting):
+            text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
+        calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
+        assert len(calls) == 2, setting
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: each knob compiled, at realistic shapes
+
+
+def _gpu_case(case: str):
+    """(fn() -> output bits) at a realistic shape: the 8B attention (8 kv heads, G = 4, E = 128,
+    page 16, partition 256, bf16, stacked 2-layer cache read at layer 1)."""
+    rng = np.random.default_rng(11)
+    kh, g, e, page, ps = 8, 4, 128, 16, 256
+    if case == "decode_b1":
+        lens, tokens, pmax = [1024], [1], 128  # decode_bench's page-table width at ctx 1024
+    elif case == "decode_ragged":
+        lens, tokens, pmax = [1000, 37, 513, 256], [1, 1, 1, 1], 64
+    else:  # a 512-token prefill chunk at positions 512..1023
+        lens, tokens, pmax = [1024], [512], 64
+    need = [-(-n // page) for n in lens]
+    num_pages = sum(need) + 8
+    perm = rng.permutation(num_pages).astype(np.int32)
+    pt = np.zeros((len(lens), pmax), np.int32)
+    c = 0
+    for i, n in enumerate(need):
+        pt[i, :n] = perm[c : c + n]
+        c += n
+    t = sum(tokens)
+    qs = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n - k, n) for n, k in zip(lens, tokens, strict=True)])
+    pos = pos.astype(np.int32)
+    kv = rng.normal(size=(2, 2, kh, num_pages, page, e)).astype(np.float32)
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in kv)
+    q = jnp.asarray(rng.normal(size=(t, kh * g, e)), jnp.bfloat16)
+    b = [jnp.asarray(x) for x in (pt, np.asarray(lens, np.int32), qs, pos)]
+    structure = "looped" if case == "prefill_looped" else "split"
+
+    def fn(**kw):
+        out = paged_attention(q, k, v, *b, scale=e**-0.5, partition_size=ps,
+                              layer=jnp.int32(1), structure=structure,
+                              out_rows=64 if case == "decode_b1" else None,
+                              direct_out=case == "decode_b1", **kw)  # fmt: skip
+        return np.asarray(out).view(np.uint16)
+
+    return fn
+
+
+GPU_CASES = ["decode_b1", "decode_ragged", "prefill_split", "prefill_looped"]
+
+
+@functools.cache
+def _gpu_default(case: str) -> np.ndarray:
+    return _gpu_case(case)()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("name", [*LOAD_KNOBS, *LAUNCH_KNOBS])
+def test_gpu_knob_keeps_the_default_bits(case, name):
+    want = _gpu_default(case)
+    setting = {**LOAD_KNOBS, **LAUNCH_KNOBS}[name]
+    with knobs(setting):
+        got = _gpu_case(case)()
+    assert np.array_equal(got, want), f"{name} changes the bits at {case}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_control_another_block_kv_changes_the_bits(case):
+    got = _gpu_case(case)(block_kv=32)
+    assert not np.array_equal(got, _gpu_default(case))
