@@ -2,16 +2,18 @@
 
 Knobs: module-level ints read when the kernels are traced, flipped per compile by
 `benchmarks/decode_bench.py --variants` (pallas_kernels/paged_attention_kernels.py KV_GATHER_2D,
-PAGES_AHEAD, STATIC_BLOCKS, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_WARPS, SPLIT_STAGES,
-LOOPED_WARPS, LOOPED_STAGES, MERGE_WARPS). None changes a summed value or a summation order of
-the reduction plan, so a knob that Triton also compiles to the same arithmetic gives the default's
-bits, and only such a knob may become the default without a fingerprint change.
+PAGES_AHEAD, STATIC_BLOCKS, SPLIT_E, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_WARPS,
+SPLIT_STAGES, LOOPED_WARPS, LOOPED_STAGES, MERGE_WARPS). None changes a summed value or a
+summation order of the reduction plan, so a knob that Triton also compiles to the same arithmetic
+gives the default's bits, and only such a knob may become the default without a fingerprint
+change.
 
 CPU (interpret mode, conftest): the new load paths (2-D gathers, page indices ahead, a static
-block loop with masked past-the-end blocks), in the split and looped layouts and on a stacked
-cache, equal the default bitwise on a ragged batch whose last partitions are partial; controls
-(wrong slots, wrong pages, NaN past-the-end fill) show the comparison sees those paths. The
-knobs also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
+block loop with masked past-the-end blocks, V's columns over two programs), in the split and
+looped layouts and on a stacked cache, equal the default bitwise on a ragged batch whose last
+partitions are partial; controls (wrong slots, wrong pages, NaN past-the-end fill, V's columns
+of the wrong program) show the comparison sees those paths. The knobs also pass the Pallas
+Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
 `gpu`: each knob compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
 output, and a ragged batch of 4) and at a 512-token prefill chunk (split and looped), against
 the default; control: another block_kv (a different plan) changes the bits at the same inputs.
@@ -42,6 +44,9 @@ LOAD_KNOBS = {
     "static": {"kern.STATIC_BLOCKS": 1},
     "ahead_static": {"kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
     "all_loads": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
+    "split_e2": {"kern.KV_GATHER_2D": 1, "kern.SPLIT_E": 2},
+    "all_split_e2": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1,
+                     "kern.SPLIT_E": 2},  # fmt: skip
 }
 # ... and the launch parameters (interpret mode ignores them: GPU only).
 LAUNCH_KNOBS = {
@@ -115,8 +120,9 @@ def _default(structure: str, layer: bool = False):
 
 # Together they run every new path once (each interpret-mode compile costs ~5 CPU s): the 2-D
 # gather with per-token page loads (gather2d); page indices ahead and a static loop with the
-# [pages, slot, E] loads (ahead_static); all three, the 2-D loads masked past the tile's end.
-@pytest.mark.parametrize("name", ["gather2d", "ahead_static", "all_loads"])
+# [pages, slot, E] loads (ahead_static); all three, the 2-D loads masked past the tile's end;
+# V's columns over two programs per partition (split_e2; the stacked cache's in the GPU test).
+@pytest.mark.parametrize("name", ["gather2d", "ahead_static", "all_loads", "split_e2"])
 def test_load_knobs_keep_the_split_layouts_bits(name):
     w, args, want = _default("split")
     assert want[:20].any() and not want[20:].any()  # padding tokens: zeros
@@ -141,6 +147,8 @@ def test_all_load_knobs_keep_the_looped_layouts_bits_on_a_stacked_cache():
         ("ahead", ("_block_page_index", None)),
         # blocks past the tile's end read NaN instead of zeros: they run, and count
         ("all_loads", ("_PAST_END_FILL", float("nan"))),
+        # both column programs fold V's first columns
+        ("split_e2", ("_partition", None)),
     ],
 )
 def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, name, patch):
@@ -153,10 +161,24 @@ def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, name, patch):
             idx = orig(plan, per_token)
             return jnp.roll(idx, -1, axis=0)
 
+    elif attr == "_partition":
+        orig_partition = kern._partition
+
+        def new(*a, v_cols=(0, None), **kw):
+            if len(a) == 8:  # (j, q, lim, pt, k, v, plan, v_cols)
+                a, v_cols = a[:7], a[7]
+            return orig_partition(*a, v_cols=(0, v_cols[1]), **kw)
+
     monkeypatch.setattr(kern, attr, new)
     with knobs(LOAD_KNOBS[name]):
         got = _run(w, args, "split")
     assert not np.array_equal(got, want), name
+
+
+def test_split_e_without_the_2d_gather_is_refused():
+    w, args, _ = _default("split")
+    with knobs({"kern.SPLIT_E": 2}), pytest.raises(ValueError, match="SPLIT_E=2 needs"):
+        _run(w, args, "split")
 
 
 def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
@@ -182,7 +204,7 @@ def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
             sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
             sd((), jnp.int32))  # fmt: skip
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    for setting in (LOAD_KNOBS["all_loads"], LAUNCH_KNOBS["all_loads_stages3"]):
+    for setting in (LOAD_KNOBS["all_split_e2"], LAUNCH_KNOBS["all_loads_stages3"]):
         with knobs(setting):
             text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
         calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
