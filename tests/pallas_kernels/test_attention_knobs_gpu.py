@@ -204,7 +204,8 @@ def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
             sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
             sd((), jnp.int32))  # fmt: skip
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    for setting in (LOAD_KNOBS["all_split_e2"], LAUNCH_KNOBS["all_loads_stages3"]):
+    for setting in (LOAD_KNOBS["ahead_static"], LOAD_KNOBS["all_split_e2"],
+                    LAUNCH_KNOBS["all_loads_stages3"]):  # fmt: skip
         with knobs(setting):
             text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
         calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
