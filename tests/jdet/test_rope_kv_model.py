@@ -165,9 +165,13 @@ def test_gpu_rope_kv_flag_changes_no_bit_in_the_forward(model):
     _check_flag(*build(Ops, **GPU_SHAPE))
 
 
-def _greedy(cfg, params, ops_kw: dict, steps: int = 6):
+def _greedy(cfg, params, ops_kw: dict, steps: int = 6, num_pages: int | None = None,
+            page_offset: int = 0, stale_page: int | None = None):  # fmt: skip
     """The engine's step function (sharding/tp.py make_tp_step at TP 1): a prefill of two
-    prompts, then greedy decodes; tokens and log-probs of every step."""
+    prompts, then greedy decodes; tokens and log-probs of every step. `num_pages` sizes the pool
+    (default: just what the prompts need), `page_offset` moves every page the sequences use up
+    by that much, `stale_page` replaces the first sequence's first page in the decode steps' page
+    table (a control: the decodes then read the wrong K/V)."""
     from jdet.sampling import SamplingInputs
     from sharding.mesh import make_tp_mesh
     from sharding.tp import init_tp_kv_cache, make_tp_step, shard_params
@@ -178,7 +182,11 @@ def _greedy(cfg, params, ops_kw: dict, steps: int = 6):
     sp = shard_params(params, cfg, mesh)
     toks = prompts(cfg, (37, 5), seed=2)
     pages = pages_for([len(t) + steps for t in toks], 16)
-    kv = init_tp_kv_cache(cfg, mesh, sum(map(len, pages)), 16, jnp.bfloat16)
+    pages = [[p + page_offset for p in pp] for pp in pages]
+    kv = init_tp_kv_cache(cfg, mesh, num_pages or sum(map(len, pages)), 16, jnp.bfloat16)
+    decode_pages = [list(pp) for pp in pages]
+    if stale_page is not None:
+        decode_pages[0][0] = stale_page
     n = len(toks)
     pad = {"pad_tokens": 48, "pad_pages": max(len(p) for p in pages)}
 
@@ -192,7 +200,7 @@ def _greedy(cfg, params, ops_kw: dict, steps: int = 6):
     kv, out = step(sp, kv, b, sampling(pos))
     tokens, logprobs = [np.asarray(out.tokens)], [np.asarray(out.logprobs)]
     for _ in range(steps):
-        b, _ = build_batch([([int(tokens[-1][i])], pos[i], pages[i]) for i in range(n)], 16,
+        b, _ = build_batch([([int(tokens[-1][i])], pos[i], decode_pages[i]) for i in range(n)], 16,
                            **pad)  # fmt: skip
         pos = [p + 1 for p in pos]
         kv, out = step(sp, kv, b, sampling(pos))
@@ -214,3 +222,25 @@ def test_gpu_rope_kv_flag_changes_no_bit_in_the_engine_step():
         tok_on, lp_on = _greedy(cfg, params, kw)
         assert np.array_equal(tok_on, tok_off), kw
         assert np.array_equal(lp_on, lp_off), kw
+
+
+@pytest.mark.gpu
+def test_gpu_pool_pages_past_32_bit_element_offsets_give_the_same_bits():
+    """A stacked K (or V) pool of more than 2**31 elements (4 GiB of bf16): Pallas's Triton
+    lowering then addresses it with 64-bit offsets, so the engine need not cap its pool there.
+    The same two sequences with their pages at the top of a 2.2 G-element pool (RoPE + K/V
+    write, attention, all layers) give the tokens and log-probs of the small pool; the control
+    (an unused, zero page in place of a written one in the decodes' page table) shows the
+    comparison sees wrong K/V. (Swapping two written pages is no control: attention sums over the
+    same keys either way, and did give the same bits.)"""
+    cfg = tiny_cfg(model_type="llama", qkv_bias=False, o_bias=False, qk_norm=False,
+                   num_layers=2, **GPU_SHAPE)  # fmt: skip
+    params = init_params(cfg, seed=0, dtype=jnp.bfloat16, scale=0.08)
+    per_page = cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim
+    big = 2**31 // per_page + 64  # pages: the pool just over 2**31 elements
+    assert big * per_page > 2**31
+    tok, lp = _greedy(cfg, params, {})
+    tok_hi, lp_hi = _greedy(cfg, params, {}, num_pages=big, page_offset=big - 16)
+    assert np.array_equal(tok_hi, tok) and np.array_equal(lp_hi, lp)
+    _, lp_bad = _greedy(cfg, params, {}, num_pages=big, page_offset=big - 16, stale_page=big - 1)
+    assert not np.array_equal(lp_bad, lp), "swapped pages went unseen"
