@@ -63,7 +63,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     import gc
 
     import jdet
-    from jdet import exec_cache
+    from jdet import exec_cache, step
     from serving import sampler_variants
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
@@ -75,8 +75,12 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # No cyclic GC until the first token: start-up allocates most of the process's objects
     # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
     # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
+    # Its steps are compiled for latency (jdet/step.py CPU_LATENCY_XLA_OPTIONS on a CPU: ~1/3
+    # less compile, same bits; a few dozen steps do not repay a slower compile).
     # (Switched back at the end: `main` also runs inside other processes, e.g. the tests.)
     exec_cache.load_on_call(True)
+    latency_was = step.for_latency()
+    step.compile_for_latency(True)
     variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, sampler_variants.ON_DEMAND
     gc_was_on = gc.isenabled()
     gc.disable()
@@ -97,6 +101,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
         print()
     finally:
         exec_cache.load_on_call(False)
+        step.compile_for_latency(latency_was)
         sampler_variants.VARIANTS = variants
         if gc_was_on:
             gc.enable()

@@ -24,7 +24,8 @@ The key (computed in jdet/exec_key.py) must cover everything that can change the
 since nothing checks the HLO: a wrong hit would be a silent bug. So it is conservative (a change
 anywhere below is a miss):
 - the function: its name (e.g. sharding.tp.make_tp_step), the model config, invariance mode, TP
-  size and mesh (axis names, device ids and kinds), as the caller describes it (`wrap`);
+  size and mesh (axis names, device ids and kinds), as the caller describes it (`wrap`), and its
+  XLA compiler options (`jdet_xla_options`, set by jdet/step.py jit_step);
 - every argument leaf's shape, dtype, weak type and sharding (params, KV cache, batch, sampling
   inputs) and the argument tree structure: the step shape (T, S, Pmax), the KV pool, the params;
 - jdet's version, a hash of every .py file of jdet, pallas_kernels, sharding and serving, and a
@@ -162,7 +163,10 @@ class CachedFn:
         if sig in self._exes:
             return "memory"
         t0 = time.perf_counter()
-        parts = key_parts(self.name, self.static, self.devices, args)
+        # the function's XLA options (jdet/step.py jit_step): a latency-compiled step (jdet
+        # generate's) is another executable than an engine's, with the same bits
+        static = {**self.static, "xla_options": getattr(self.fn, "jdet_xla_options", None)}
+        parts = key_parts(self.name, static, self.devices, args)
         path = self.directory / (entry_key(parts) + SUFFIX)
         exe, how = None, "compiled"
         if path.exists():

@@ -150,15 +150,48 @@ def pad_params(
     F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers["w_down"].dtype) * MAX_TP)
     if F_pad != F:
         pf = F_pad - F
-        layers["w_gate"] = jnp.pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_up"] = jnp.pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_down"] = jnp.pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
+        layers["w_gate"] = _pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_up"] = _pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
+        layers["w_down"] = _pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
     out["layers"] = layers
-    lm = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    lm = _transposed(params["embed"]) if cfg.tie_word_embeddings else params["lm_head"]
     V = lm.shape[-1]
     V_pad = _round_up(V, vocab_multiple)
-    out["lm_head"] = jnp.pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
+    out["lm_head"] = _pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
     return out
+
+
+def _on_host(x: Any) -> bool:
+    """A concrete array on one CPU device: padded/transposed by numpy here, because a jnp op on
+    a concrete array compiles a program per shape (w_gate/w_up, w_down and the tied lm_head's
+    transpose: ~0.35 s CPU of a cold `jdet generate`, more than the copies). GPU arrays and
+    tracers stay in XLA (no device -> host round trip of a large model)."""
+    if isinstance(x, np.ndarray):
+        return True
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    devices = x.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _placed_like(y: np.ndarray, x: Any) -> jax.Array:
+    """`y` as a jax array placed as `x` was (committed to its device, or not)."""
+    committed = isinstance(x, jax.Array) and x.committed
+    return jax.device_put(y, x.sharding) if committed else jax.device_put(y)
+
+
+def _pad(x: Any, widths: tuple[tuple[int, int], ...]) -> Any:
+    """jnp.pad with zeros (on the host for a CPU array: `_on_host`; the same values)."""
+    if _on_host(x):
+        return _placed_like(np.pad(np.asarray(x), widths), x)
+    return jnp.pad(x, widths)
+
+
+def _transposed(x: Any) -> Any:
+    """x.T (on the host for a CPU array: `_on_host`)."""
+    if _on_host(x):
+        return _placed_like(np.ascontiguousarray(np.asarray(x).T), x)
+    return x.T
 
 
 def fuse_projections(params: dict, tp: int) -> dict:

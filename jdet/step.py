@@ -67,6 +67,29 @@ OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 CPU_XLA_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
 CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
 
+# A process that runs few steps (`jdet generate`: one prompt) compiles its CPU steps for latency
+# (`compile_for_latency`, read by serving/host_inputs.py's packed step, the one the engine
+# compiles; `jit_step(latency=True)`): XLA's legacy elemental emitters instead of its MLIR
+# fusion emitters cut the embedded model's "tp" step compile by ~1/3 (CPU s, load ~6, two runs
+# each: 4.08/4.00 -> 2.70/2.87) and run it ~1/4 slower (per-step CPU 8.6/9.7 -> 12.0/10.0 ms):
+# ~1.2 s off a cold `jdet generate`, ~0.05 s more for its 24 tokens. Same bits
+# (tests/jdet/test_cold_start.py compares generations bitwise; an option set that changes them
+# is seen).
+CPU_LATENCY_XLA_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+_for_latency = False
+
+
+def compile_for_latency(on: bool = True) -> None:
+    """Process-wide: engines' steps made from now on (on a CPU) add `CPU_LATENCY_XLA_OPTIONS`.
+    The packed step's cache is keyed by it (`for_latency`), so engines made before or after
+    keep theirs."""
+    global _for_latency
+    _for_latency = on
+
+
+def for_latency() -> bool:
+    return _for_latency
+
 
 def _parse_options(env: str) -> dict:
     out: dict = {}
@@ -103,17 +126,26 @@ def xla_options(ops: Ops) -> dict:
     return dict(NONE_GPU_XLA_OPTIONS) if env is None else _parse_options(env)
 
 
-def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
+def jit_step(ops: Ops, *, nested: bool = False, latency: bool = False) -> Callable:
     """jax.jit with the cache (argument 1) donated and `xla_options(ops)`: every step and score
     function, unsharded (here) or under shard_map (sharding/tp.py). `nested`: the function is
     also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
-    so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests)."""
+    so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests).
+    `latency`: on a CPU add `CPU_LATENCY_XLA_OPTIONS` (compile faster, run slower, same bits).
+    The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
     from pallas_kernels import _platform
 
-    opts = {} if nested and _platform.platform() == "cpu" else xla_options(ops)
-    if opts:
-        return functools.partial(jax.jit, donate_argnums=(1,), compiler_options=opts)
-    return functools.partial(jax.jit, donate_argnums=(1,))
+    cpu = _platform.platform() == "cpu"
+    opts = {} if nested and cpu else xla_options(ops)
+    if latency and cpu and not nested:
+        opts = {**opts, **CPU_LATENCY_XLA_OPTIONS}
+
+    def jit(fn: Callable) -> Callable:
+        jitted = jax.jit(fn, donate_argnums=(1,), **({"compiler_options": opts} if opts else {}))
+        jitted.jdet_xla_options = opts  # jdet's executable cache keys by it (exec_cache.py)
+        return jitted
+
+    return jit
 
 
 @functools.cache

@@ -1,0 +1,162 @@
+"""What a cold `jdet generate` on a CPU must not pay for (issue 17): importing the Mosaic GPU
+kernels, and compiling a small XLA program per weight shape while the model loads and the "tp"
+runtime lays its weights and KV cache out. Each such compile cost 0.02-0.2 s of CPU (~0.6 s in
+all on the 2-core machine, of a ~6 s command); the host (numpy) does the same copies instead.
+The values and placements are those of the jnp versions (np.array_equal)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import dispatch, monitoring
+
+from jdet import plan
+
+
+@contextmanager
+def backend_compiles() -> Iterator[list[float]]:
+    """The XLA compiles (durations) JAX runs inside the block."""
+    seen: list[float] = []
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            seen.append(duration)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def test_the_counter_sees_a_compile():
+    """Control for the tests below: a jnp op on a concrete array of a shape this process has not
+    compiled for is counted (what plan.pad_params did per FFN weight before)."""
+    x = jnp.asarray(np.arange(7 * 13, dtype=np.float32).reshape(7, 13))
+    with backend_compiles() as seen:
+        jnp.pad(x, ((0, 0), (0, 5)))
+    assert len(seen) >= 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the host path is the CPU's")
+def test_loading_and_laying_out_the_embedded_model_compiles_nothing_on_a_cpu():
+    import jdet
+    from sharding.tp import make_tp_runtime
+
+    with backend_compiles() as seen:
+        model = jdet.load()
+        rt = make_tp_runtime(model.params, model.cfg, 1, "tp")  # what `jdet generate` builds
+        params, kv = rt.params, rt.init_kv(16, 16, jnp.bfloat16)
+    assert seen == [], f"{len(seen)} XLA compiles while loading and laying out the model"
+    assert jax.tree.leaves(params)
+    jitted = jax.jit(
+        lambda: {n: jnp.zeros(kv["k"].shape, kv["k"].dtype) for n in ("k", "v")},
+        out_shardings={n: kv[n].sharding for n in ("k", "v")},
+    )()
+    for n in ("k", "v"):
+        assert kv[n].sharding == jitted[n].sharding and kv[n].dtype == jitted[n].dtype
+        assert np.array_equal(np.asarray(kv[n]), np.asarray(jitted[n]))
+
+
+def test_host_pad_and_transpose_equal_the_jnp_ones():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 6, 10)).astype(jnp.bfloat16)
+    widths = ((0, 0), (0, 0), (0, 6))
+    for x in (w, jnp.asarray(w), jax.device_put(w, jax.devices()[0])):
+        got = plan._pad(x, widths)
+        assert isinstance(got, jax.Array) and got.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(got), np.asarray(jnp.pad(jnp.asarray(x), widths)))
+        committed = isinstance(x, jax.Array) and x.committed
+        assert got.committed == committed
+        t = plan._transposed(x[0])
+        assert np.array_equal(np.asarray(t), np.asarray(jnp.asarray(x[0]).T))
+    # under jit (a tracer) the jnp ops run, and give the same values
+    traced = jax.jit(lambda a: (plan._pad(a, widths), plan._transposed(a[0])))(jnp.asarray(w))
+    assert np.array_equal(np.asarray(traced[0]), np.asarray(jnp.pad(jnp.asarray(w), widths)))
+    assert np.array_equal(np.asarray(traced[1]), w[0].T)
+
+
+def test_the_cli_path_does_not_import_the_mosaic_gpu_kernels_off_a_gpu():
+    """Ops.row_pad (every forward trace) imported pallas_kernels.matmul_mosaic, and with it
+    jax.experimental.pallas.mosaic_gpu (~0.3 s), before asking whether Mosaic runs at all. A
+    fresh interpreter: this one may have imported them for another test."""
+    from pallas_kernels import _platform
+
+    mods = ["pallas_kernels.matmul_mosaic", "jax.experimental.pallas.mosaic_gpu"]
+    code = (
+        "import json, sys; from jdet.ops import Ops; "
+        "rows = [Ops(invariance=m).row_pad(5) for m in ('tp', 'batch', 'none')]; "
+        f"print(json.dumps([rows, [m for m in {mods!r} if m in sys.modules]]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    rows, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    if _platform.is_hopper():
+        assert rows[0] == 64, rows  # padded to the Mosaic matmul's CTA rows
+    else:
+        assert rows == [5, 5, 5] and imported == [], (rows, imported)
+
+
+# The golden requests' tokens and generated log-probs (tests/jdet/test_golden.py, without its
+# prompt log-probs, which the score function computes) from an engine compiled with the default
+# options ("tp", TP 1, CPU, JAX 0.10.2): `python -m tests.jdet.test_cold_start` prints it.
+GENERATED = "b4bd932e4b5a5d11"
+
+
+def _generation(model, *, latency: bool, options: dict | None = None, monkeypatch=None) -> tuple:
+    """The golden requests (greedy, seeded top-p, greedy) in one batch on a "tp" engine whose
+    steps are compiled for latency as `jdet generate`'s are (`latency`), with `options` in place
+    of CPU_LATENCY_XLA_OPTIONS (None: those). Every step runs the full sampler: one compile."""
+    import jdet
+    from jdet import step
+    from serving import host_inputs, sampler_variants
+    from tests.jdet.test_golden import PROMPTS, _hash, _sampling_params
+
+    if options is not None:
+        monkeypatch.setattr(step, "CPU_LATENCY_XLA_OPTIONS", options)
+    params = [dataclasses.replace(p, prompt_logprobs=None) for p in _sampling_params()]
+    variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, (sampler_variants.FULL,)
+    host_inputs._packed_step_fn.cache_clear()  # a fresh packed step: compiled with `options`
+    step.compile_for_latency(latency)
+    try:
+        llm = jdet.LLM(
+            model, invariance="tp", max_num_batched_tokens=8, num_pages=48, max_model_len=128,
+            compile_cache=False, warmup=False,
+        )  # fmt: skip
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        step.compile_for_latency(False)
+        sampler_variants.VARIANTS = variants
+        host_inputs._packed_step_fn.cache_clear()
+    return [o.token_ids for o in outs], _hash([o.logprobs for o in outs])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the recorded values are the CPU's")
+def test_steps_compiled_for_latency_give_an_engines_bits(monkeypatch):
+    """`jdet generate` compiles its steps with CPU_LATENCY_XLA_OPTIONS (jdet/step.py: XLA's
+    legacy emitters, ~1/3 less compile): its tokens and log-probs are an engine's, bit for bit
+    (the recorded hash). Control: LLVM at -O0 (other FMA contraction) under the same path
+    changes the log-probs, so the path does compile with the options it is given."""
+    import jdet
+    from tests.jdet.test_golden import TOKENS
+
+    model = jdet.load()
+    tokens, gen = _generation(model, latency=True)
+    assert tokens == TOKENS and gen == GENERATED
+    opt0 = {"xla_backend_optimization_level": 0}
+    _, gen0 = _generation(model, latency=True, options=opt0, monkeypatch=monkeypatch)
+    assert gen0 != GENERATED
+
+
+if __name__ == "__main__":  # print the value to record (default options)
+    import jdet
+
+    print(_generation(jdet.load(), latency=False))
