@@ -5,6 +5,7 @@ Measures, on this machine's CPU, side by side in one process where it can:
   load, compile, generate, exit), wall seconds (median and min of --repeats) and the process's
   CPU seconds (median), with the compile cache off (cold) and on (warm: the second run of a
   user), alternately, each with the load average before it;
+- `phases`: a cold run broken down (imports, jdet.LLM(), first token, the rest), wall and CPU;
 - `decode`: steady-state batch-1 greedy decode tokens/s in "tp", "batch" and "none" (a long
   generation minus a short one, both after a warm-up, so compile and prefill cancel out);
 - `offline`: an offline batch of 64 prompts (48 new tokens each) through jdet.LLM in "tp" vs
@@ -12,7 +13,8 @@ Measures, on this machine's CPU, side by side in one process where it can:
 A shared machine is noisy: the decode and offline figures are the best of --repeats runs, and
 the JSON says so.
 
-    python -m benchmarks.cpu_bench [--out cpu_bench.json] [--repeats 3] [--only cli,decode,offline]
+    python -m benchmarks.cpu_bench [--out cpu_bench.json] [--repeats 3]
+        [--only cli,phases,decode,offline]
 """
 
 from __future__ import annotations
@@ -67,6 +69,60 @@ def bench_cli(repeats: int) -> dict:
             warm.append(_cli_run(d))
     return {"what": f'jdet generate "{PROMPT}" --max-tokens 24, process start to exit',
             "cold": _summary(cold), "warm": _summary(warm), "target_s": 4.0}  # fmt: skip
+
+
+# One cold `jdet generate` in a fresh process, timed by phase (what jdet/cli.py _generate does,
+# with marks): wall and CPU s of the imports, jdet.LLM() (load, plan, KV cache), the first token
+# (trace, lower and compile of the step, prefill) and the rest (decode).
+_PHASES = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+def mark(marks, name):
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    marks.append((name, time.perf_counter() - t0, r.ru_utime + r.ru_stime))
+marks = []
+mark(marks, "start")
+import gc
+import jdet
+from jdet import exec_cache, step
+from jdet.settings import EngineConfig
+from serving import sampler_variants
+mark(marks, "imports")
+exec_cache.load_on_call(True)
+step.compile_for_latency(True)
+sampler_variants.VARIANTS = sampler_variants.ON_DEMAND
+gc.disable()
+llm = jdet.LLM(None, EngineConfig(compile_cache=False), warmup=False)
+mark(marks, "llm")
+sp = jdet.SamplingParams(temperature=0.0, max_tokens=24, seed=0)
+it = iter(llm.stream(sys.argv[1], sp))
+next(it)
+mark(marks, "first_token")
+gc.enable()
+for _ in it:
+    pass
+mark(marks, "rest")
+out = {n: {"wall_s": round(w - pw, 3), "cpu_s": round(c - pc, 3)}
+       for (n, w, c), (_, pw, pc) in zip(marks[1:], marks[:-1])}
+print(json.dumps(out))
+"""
+
+
+def bench_phases(repeats: int) -> dict:
+    """The cold CLI run by phase (`_PHASES`), median over `repeats` fresh processes. The
+    interpreter's own start (before the first mark) is left out: `cli` has the whole."""
+    runs = []
+    for _ in range(repeats):
+        load = os.getloadavg()[0]
+        out = subprocess.run([sys.executable, "-c", _PHASES, PROMPT], check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        runs.append((json.loads(out.strip().splitlines()[-1]), load))
+    res: dict = {"what": "cold jdet generate (compile cache off) by phase, median of runs"}
+    for name in runs[0][0]:
+        for k in ("wall_s", "cpu_s"):
+            res.setdefault(name, {})[k] = round(statistics.median(r[name][k] for r, _ in runs), 3)
+    res["loads"] = [round(x, 1) for _, x in runs]
+    return res
 
 
 def _gen_seconds(llm, prompts, max_tokens: int) -> float:
@@ -128,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
            "jax": jax.__version__, "kernel_backend": _platform.kernel_backend(),
            "note": f"best of {a.repeats} runs on a possibly shared machine"}  # fmt: skip
     modes = tuple(a.modes.split(","))
-    parts = {"cli": bench_cli, "decode": lambda r: bench_decode(r, modes), "offline": bench_offline}
+    parts = {"cli": bench_cli, "phases": bench_phases, "decode": lambda r: bench_decode(r, modes),
+             "offline": bench_offline}  # fmt: skip
     for name in a.only.split(","):
         res[name] = parts[name](a.repeats)
         print(json.dumps({name: res[name]}), flush=True)
