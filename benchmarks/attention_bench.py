@@ -7,7 +7,7 @@ contiguously. Prefill (causal, one sequence): TFLOP/s and ratio to `jax.nn.dot_p
 with implementation='cudnn' (falling back to XLA where cuDNN is unavailable).
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_bench.py [out_dir]
-       [--sweep | --knobs base,pallas_kernels.paged_attention_pallas.SPLIT_WARPS=8,...]
+       [--sweep | --knobs base,pallas_kernels.paged_attention_pallas.SPLIT_STAGES=2,...]
 `--knobs`: the decode attention alone in a layer loop at the 8B and 0.6B shapes, µs per layer,
 per module-knob variant (`knob_rows`).
 """

@@ -140,28 +140,30 @@ def _num_parts(lim, plan: _Plan):
     return jnp.maximum((tile_lim + plan.partition_size - 1) // plan.partition_size, 0)
 
 
-# Load-shape knobs of `_partition` (issue 11: where the split kernel's ~10 us at the 8B decode
-# go). Module-level ints so benchmarks/decode_bench.py --variants can flip them per compile; each
-# changes only how K/V and the page indices reach the registers, never a value that is summed or
-# the order of any sum, so the bits stay those of the default (CPU: interpret-mode tests; GPU:
-# tests/pallas_kernels/test_attention_knobs_gpu.py checks what Triton makes of them). 0 = off.
+# Load-shape knobs of `_partition` (issue 11). Module-level ints so benchmarks/decode_bench.py
+# --variants can flip them per compile; each changes only how K/V and the page indices reach the
+# registers, never a value that is summed or the order of any sum, so the bits stay those of the
+# knobs-off kernel (CPU: interpret-mode tests; GPU: tests/pallas_kernels/test_attention_knobs_gpu.py
+# checks what Triton makes of them). 0 = off. The three below are on: together with the split
+# kernel's 3 pipeline stages (paged_attention_pallas.SPLIT_STAGES) they took the 8B decode
+# attention from 16.4 to 14.2 us a layer on an H100 (none of them gained alone).
 # KV_GATHER_2D: a KV block is one [block_kv, E] gather (token -> page, slot) that feeds the dot
 #   as it is, instead of a [pages, page_size, E] load and a reshape (which may keep Triton's
 #   pipeliner from staging it in shared memory).
-KV_GATHER_2D = 0
+KV_GATHER_2D = 1
 # PAGES_AHEAD: the partition's page indices are loaded once before the block loop, and each
 #   block picks its own from registers, so no block waits on a page-table load before its K/V
 #   loads can be issued.
-PAGES_AHEAD = 0
+PAGES_AHEAD = 1
 # STATIC_BLOCKS: the block loop runs all partition_size / block_kv blocks (a static trip count,
 #   which Triton can software-pipeline); blocks past the tile's last needed position are exact
 #   identities (module docstring of paged_attention.py) and, with KV_GATHER_2D, masked loads
 #   that move no memory.
-STATIC_BLOCKS = 0
+STATIC_BLOCKS = 1
 # SPLIT_E: the split kernel's programs per partition, each folding V's columns c*E/n.. (the
 #   scores, max and sum are computed alike in each; only the P.V product is cut by columns,
 #   which an MMA reduces per column the same way): n x the programs at a batch-1 decode. Needs
-#   KV_GATHER_2D. 1 = off.
+#   KV_GATHER_2D. 1 = off (not measured on a GPU yet).
 SPLIT_E = 1
 
 

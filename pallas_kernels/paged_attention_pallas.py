@@ -30,16 +30,14 @@ from pallas_kernels.paged_attention_kernels import (
 STRUCTURES = ("auto", "split", "looped")
 # "auto" runs the split-KV pair when fewer (query tile x kv head) programs than this exist.
 SPLIT_BELOW_PROGRAMS = 4096
-# Triton launch parameters where a call passes none (issue 11 knobs, module-level ints for
-# benchmarks/decode_bench.py --variants). They change no value or order the plan fixes, but
-# Triton's register layout (and so a row sum's order) may follow num_warps: the GPU test
-# tests/pallas_kernels/test_attention_knobs_gpu.py says which keep the bits of the default.
-SPLIT_WARPS = 4
-SPLIT_STAGES = 2
-LOOPED_WARPS = 4
-LOOPED_STAGES = 2
-# The merge kernels' warps; 0: from the shape (G_pad * E / 512, 1..8), as before.
-MERGE_WARPS = 0
+# The split kernel's Triton pipeline depth where a call passes none (a module-level int for
+# benchmarks/decode_bench.py --variants; no value or order of the plan depends on it, and
+# tests/pallas_kernels/test_attention_knobs_gpu.py checks the bits on the GPU). 3, with the
+# 2-D K/V gathers, page indices ahead and the static block loop (paged_attention_kernels.py):
+# H100, JAX 0.11.2, one process: the 8B decode attention 16.4 -> 14.2 us a layer (0.6B shape
+# 16.3 -> 13.8), the Llama-3-8B batch-1 step 6.95 -> 6.87 ms; stages 3 alone or the loads
+# alone gave nothing (16.4 / 16.0 us), stages 1 18.1 us, 2 warps 40.6, 8 warps 19.2.
+SPLIT_STAGES = 3
 
 
 def attention_meta(
@@ -105,7 +103,7 @@ def _paged_attention_pallas(
     block_kv: int | None = None,
     structure: str = "auto",
     block_rows: int = ROWS,
-    num_warps: int | None = None,
+    num_warps: int = 4,
     num_stages: int | None = None,
     meta: dict | None = None,
     out_rows: int | None = None,
@@ -206,15 +204,13 @@ def _paged_attention_pallas(
 
         # The merge holds (1 + MERGE_PREFETCH) x [G_pad, E] f32 per program: ~16 values per
         # thread per partial keeps it in registers.
-        merge_warps = MERGE_WARPS or max(1, min(8, gp * e // 512))
+        merge_warps = max(1, min(8, gp * e // 512))
         merge_params = pltriton.CompilerParams(num_warps=merge_warps, num_stages=1)
     if structure == "auto":
         structure = "split" if nt * kh < SPLIT_BELOW_PROGRAMS else "looped"
     if not interpret:
-        split = structure == "split"
-        warps = num_warps or (SPLIT_WARPS if split else LOOPED_WARPS)
-        stages = num_stages or (SPLIT_STAGES if split else LOOPED_STAGES)
-        compiler_params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+        stages = num_stages or (SPLIT_STAGES if structure == "split" else 2)
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
     cache_spec = pl.BlockSpec((None, num_pages, page_size, e), lambda i, k, *_: (k, 0, 0, 0))
     if stacked:
         # The kernel gets the whole cache as one page pool [L*K*P, B, E] and offsets its page

@@ -2,18 +2,17 @@
 
 Knobs: module-level ints read when the kernels are traced, flipped per compile by
 `benchmarks/decode_bench.py --variants` (pallas_kernels/paged_attention_kernels.py KV_GATHER_2D,
-PAGES_AHEAD, STATIC_BLOCKS, SPLIT_E, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_WARPS,
-SPLIT_STAGES, LOOPED_WARPS, LOOPED_STAGES, MERGE_WARPS). None changes a summed value or a
-summation order of the reduction plan, so a knob that Triton also compiles to the same arithmetic
-gives the default's bits, and only such a knob may become the default without a fingerprint
-change.
+PAGES_AHEAD, STATIC_BLOCKS, SPLIT_E, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_STAGES).
+None changes a summed value or a summation order of the reduction plan; the defaults (the first
+three on, 3 stages) were made so without a fingerprint change, which holds only while the
+knobs-off kernel of before (`old_kernel`) gives the same bits.
 
 CPU (interpret mode, conftest): the new load paths (2-D gathers, page indices ahead, a static
-block loop with masked past-the-end blocks, V's columns over two programs), in the split and
-looped layouts and on a stacked cache, equal the default bitwise on a ragged batch whose last
-partitions are partial; controls (wrong slots, wrong pages, NaN past-the-end fill, V's columns
-of the wrong program) show the comparison sees those paths. The knobs also pass the Pallas
-Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
+block loop with masked past-the-end blocks, V's columns over two programs) and the knobs-off
+loads, in the split and looped layouts and on a stacked cache, equal the default bitwise on a
+ragged batch whose last partitions are partial; controls (wrong slots, wrong pages, NaN
+past-the-end fill, V's columns of the wrong program) show the comparison sees those paths. The
+knobs also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
 `gpu`: each knob compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
 output, and a ragged batch of 4) and at a 512-token prefill chunk (split and looped), against
 the default; control: another block_kv (a different plan) changes the bits at the same inputs.
@@ -37,30 +36,23 @@ from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_b
 
 _MODULES = {"kern": kern, "launch": launch}
 
-# The load-path knobs (new code paths, checked on the CPU too) ...
+# The defaults (KV_GATHER_2D, PAGES_AHEAD, STATIC_BLOCKS on, SPLIT_STAGES 3) against these:
+# the knobs-off loads, each path alone, and SPLIT_E (checked on the CPU too) ...
+OFF = {"kern.KV_GATHER_2D": 0, "kern.PAGES_AHEAD": 0, "kern.STATIC_BLOCKS": 0}
 LOAD_KNOBS = {
-    "gather2d": {"kern.KV_GATHER_2D": 1},
-    "ahead": {"kern.PAGES_AHEAD": 1},
-    "static": {"kern.STATIC_BLOCKS": 1},
-    "ahead_static": {"kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
-    "all_loads": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
-    "split_e2": {"kern.KV_GATHER_2D": 1, "kern.SPLIT_E": 2},
-    "all_split_e2": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1,
-                     "kern.SPLIT_E": 2},  # fmt: skip
+    "off": OFF,
+    "gather2d_only": {**OFF, "kern.KV_GATHER_2D": 1},
+    "ahead_static_only": {**OFF, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
+    "split_e2": {"kern.SPLIT_E": 2},
 }
-# ... and the launch parameters (interpret mode ignores them: GPU only).
+# ... and the launch parameters (interpret mode ignores them: GPU only). old_kernel: the kernel
+# before issue 11's session 9 (loads off, 2 stages), whose bits the defaults must keep.
 LAUNCH_KNOBS = {
-    "stages1": {"launch.SPLIT_STAGES": 1},
-    "stages3": {"launch.SPLIT_STAGES": 3},
+    "old_kernel": {**OFF, "launch.SPLIT_STAGES": 2},
+    "stages2": {"launch.SPLIT_STAGES": 2},
     "stages4": {"launch.SPLIT_STAGES": 4},
-    "warps2": {"launch.SPLIT_WARPS": 2},
-    "warps8": {"launch.SPLIT_WARPS": 8},
-    "merge_warps4": {"launch.MERGE_WARPS": 4},
     "merge_prefetch2": {"kern.MERGE_PREFETCH": 2},
-    "looped_warps8": {"launch.LOOPED_WARPS": 8},
-    "looped_stages3": {"launch.LOOPED_STAGES": 3},
-    "all_loads_stages3": {"kern.KV_GATHER_2D": 1, "kern.PAGES_AHEAD": 1,
-                          "kern.STATIC_BLOCKS": 1, "launch.SPLIT_STAGES": 3},  # fmt: skip
+    "split_e2_stages2": {"kern.SPLIT_E": 2, "launch.SPLIT_STAGES": 2},
 }
 
 
@@ -118,11 +110,11 @@ def _default(structure: str, layer: bool = False):
     return w, args, _run(w, args, structure, layer)
 
 
-# Together they run every new path once (each interpret-mode compile costs ~5 CPU s): the 2-D
-# gather with per-token page loads (gather2d); page indices ahead and a static loop with the
-# [pages, slot, E] loads (ahead_static); all three, the 2-D loads masked past the tile's end;
-# V's columns over two programs per partition (split_e2; the stacked cache's in the GPU test).
-@pytest.mark.parametrize("name", ["gather2d", "ahead_static", "all_loads", "split_e2"])
+# The default runs all three load paths (the 2-D loads masked past the tile's end); against it,
+# together, every other path once (each interpret-mode compile costs ~5 CPU s): the old loads
+# (off); the 2-D gather with per-token page loads (gather2d_only); page indices ahead and a
+# static loop with [pages, slot, E] loads (ahead_static_only); V's columns over two programs.
+@pytest.mark.parametrize("name", list(LOAD_KNOBS))
 def test_load_knobs_keep_the_split_layouts_bits(name):
     w, args, want = _default("split")
     assert want[:20].any() and not want[20:].any()  # padding tokens: zeros
@@ -132,26 +124,27 @@ def test_load_knobs_keep_the_split_layouts_bits(name):
 
 def test_all_load_knobs_keep_the_looped_layouts_bits_on_a_stacked_cache():
     """The looped layout (prefill) reading the stacked cache's page pool (_PagePool's 2-D and
-    masked loads) with every load knob on."""
+    masked loads, the default) = the knobs-off loads."""
     w, args, want = _default("looped", True)
-    with knobs(LOAD_KNOBS["all_loads"]):
+    with knobs(LOAD_KNOBS["off"]):
         assert_bits_equal(_run(w, args, "looped", True), want, "looped, stacked")
 
 
 @pytest.mark.parametrize(
-    "name, patch",
+    "setting, patch",
     [
+        # (the knobs a control runs with: the defaults, or as named)
         # 2-D gather reading each token's neighbouring slot
-        ("gather2d", ("_token_slots", lambda bk, ps: (jnp.arange(bk)[:, None] + 1) % ps)),
+        ({}, ("_token_slots", lambda bk, ps: (jnp.arange(bk)[:, None] + 1) % ps)),
         # pages picked ahead for the next block (the last block wraps to the first)
-        ("ahead", ("_block_page_index", None)),
+        ({"kern.KV_GATHER_2D": 0}, ("_block_page_index", None)),
         # blocks past the tile's end read NaN instead of zeros: they run, and count
-        ("all_loads", ("_PAST_END_FILL", float("nan"))),
+        ({}, ("_PAST_END_FILL", float("nan"))),
         # both column programs fold V's first columns
-        ("split_e2", ("_partition", None)),
+        ({"kern.SPLIT_E": 2}, ("_partition", None)),
     ],
 )
-def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, name, patch):
+def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch):
     w, args, want = _default("split")
     attr, new = patch
     if attr == "_block_page_index":
@@ -170,14 +163,15 @@ def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, name, patch):
             return orig_partition(*a, v_cols=(0, v_cols[1]), **kw)
 
     monkeypatch.setattr(kern, attr, new)
-    with knobs(LOAD_KNOBS[name]):
+    with knobs(setting):
         got = _run(w, args, "split")
-    assert not np.array_equal(got, want), name
+    assert not np.array_equal(got, want), attr
 
 
 def test_split_e_without_the_2d_gather_is_refused():
     w, args, _ = _default("split")
-    with knobs({"kern.SPLIT_E": 2}), pytest.raises(ValueError, match="SPLIT_E=2 needs"):
+    with knobs({"kern.SPLIT_E": 2, "kern.KV_GATHER_2D": 0}), \
+            pytest.raises(ValueError, match="SPLIT_E=2 needs"):
         _run(w, args, "split")
 
 
@@ -204,8 +198,7 @@ def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
             sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
             sd((), jnp.int32))  # fmt: skip
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    for setting in (LOAD_KNOBS["ahead_static"], LOAD_KNOBS["all_split_e2"],
-                    LAUNCH_KNOBS["all_loads_stages3"]):  # fmt: skip
+    for setting in ({}, LOAD_KNOBS["ahead_static_only"], LOAD_KNOBS["split_e2"]):
         with knobs(setting):
             text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
         calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
