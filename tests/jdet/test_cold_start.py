@@ -160,3 +160,22 @@ if __name__ == "__main__":  # print the value to record (default options)
     import jdet
 
     print(_generation(jdet.load(), latency=False))
+
+
+def test_generate_prefills_in_decode_sized_chunks_on_a_cpu_unless_told_otherwise():
+    """`jdet generate` on a CPU runs one step shape: the prompt in chunks of the smallest token
+    bucket (chunked prefill has the same bits: tests/jdet/test_invariance.py), unless the budget
+    is given or a speculative verify needs more tokens than one chunk."""
+    from jdet.cli import _one_shape_budget
+    from jdet.settings import EngineConfig
+    from serving.shapes import default_min_tokens_bucket
+
+    on_cpu = jax.default_backend() == "cpu"
+    got = _one_shape_budget(EngineConfig(), None).max_num_batched_tokens
+    assert got == (default_min_tokens_bucket() if on_cpu else EngineConfig().max_num_batched_tokens)
+    assert _one_shape_budget(EngineConfig(min_tokens_bucket=16), None).max_num_batched_tokens == (
+        16 if on_cpu else EngineConfig().max_num_batched_tokens
+    )
+    told = EngineConfig(max_num_batched_tokens=64)
+    assert _one_shape_budget(told, None) == told
+    assert _one_shape_budget(EngineConfig(), object()) == EngineConfig()
