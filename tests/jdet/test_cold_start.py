@@ -179,3 +179,19 @@ def test_generate_prefills_in_decode_sized_chunks_on_a_cpu_unless_told_otherwise
     told = EngineConfig(max_num_batched_tokens=64)
     assert _one_shape_budget(told, None) == told
     assert _one_shape_budget(EngineConfig(), object()) == EngineConfig()
+
+
+def test_the_command_line_exits_at_once_with_its_output_flushed():
+    """`jdet generate` from the command line ends with os._exit (jdet/cli.py `_exit_now`: the
+    interpreter's and JAX's teardown cost ~0.45 s) after flushing its output; `main(argv)`
+    called with arguments (tests, other programs) returns. Control: os._exit without the flush
+    loses what a pipe's buffer held."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a buffered pipe
+    code = "import sys; from jdet import cli; sys.stdout.write('last words'); cli._exit_now(3)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert (run.returncode, run.stdout) == (3, "last words")
+    bare = "import os, sys; sys.stdout.write('last words'); os._exit(3)"
+    run = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, env=env)
+    assert (run.returncode, run.stdout) == (3, "")
