@@ -160,11 +160,6 @@ PAGES_AHEAD = 1
 #   identities (module docstring of paged_attention.py) and, with KV_GATHER_2D, masked loads
 #   that move no memory.
 STATIC_BLOCKS = 1
-# SPLIT_E: the split kernel's programs per partition, each folding V's columns c*E/n.. (the
-#   scores, max and sum are computed alike in each; only the P.V product is cut by columns,
-#   which an MMA reduces per column the same way): n x the programs at a batch-1 decode. Needs
-#   KV_GATHER_2D. 1 = off (not measured on a GPU yet).
-SPLIT_E = 1
 
 
 def _block_page_index(plan: _Plan, per_token: bool):
@@ -178,14 +173,14 @@ def _block_page_index(plan: _Plan, per_token: bool):
     return b * width + c
 
 
-def _kv_block(ref, pages, blk_ok, e: int, plan: _Plan, col0=0):
+def _kv_block(ref, pages, blk_ok, e: int, plan: _Plan):
     """One KV block [block_kv, E]: `pages` are its pages [ppb] or (KV_GATHER_2D) each token's
     page [block_kv]; with blk_ok False (a static-loop block past the tile's end) a 2-D load is
     masked to zeros, the same values a masked block contributes (p = 0)."""
     bk = plan.block_kv
     if not KV_GATHER_2D:
         return ref[pages].reshape(bk, e)
-    cols = col0 + lax.broadcasted_iota(jnp.int32, (1, e), 1)
+    cols = lax.broadcasted_iota(jnp.int32, (1, e), 1)
     idx = (pages[:, None], _token_slots(bk, plan.page_size), cols)
     if blk_ok is None:
         return ref[idx]
@@ -204,17 +199,15 @@ def _token_slots(bk: int, page_size: int):
     return lax.broadcasted_iota(jnp.int32, (bk, 1), 0) % page_size
 
 
-def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan, v_cols=(0, None)):
+def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     """Online softmax of partition j for every row: (m, l, acc) from the (-inf, 0, 0) sentinel.
 
     KV blocks of plan.block_kv tokens in increasing order; the tile stops after the last block any
     of its rows needs, which is an exact identity for the rows that need fewer (module docstring).
     The load-shape knobs above change how blocks are fetched and the loop's trip count, never a
     value: the blocks past the tile's end a static loop runs are those exact identities.
-    `v_cols` (first, count): the columns of V (and acc) folded here (SPLIT_E).
     """
     rows, e = q.shape
-    col0, ev = v_cols[0], v_cols[1] or e
     bk, ps = plan.block_kv, plan.partition_size
     ppb = bk // plan.page_size
     ppp = ps // plan.page_size
@@ -239,7 +232,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan, v_cols=(0, None)):
         pages = pages_of(b)
         blk_ok = (b < n_blk) if STATIC_BLOCKS and per_token else None
         k = _kv_block(k_ref, pages, blk_ok, e, plan)
-        v = _kv_block(v_ref, pages, blk_ok, ev, plan, col0)
+        v = _kv_block(v_ref, pages, blk_ok, e, plan)
         s = _dot(q, k, 1, plan.precision) * plan.qk_scale
         kpos = part_start + b * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
         s = jnp.where(kpos < lim[:, None], s, -jnp.inf)
@@ -251,7 +244,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan, v_cols=(0, None)):
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 0, plan.precision)
         return m_new, lsum, acc
 
-    return lax.fori_loop(0, ps // bk if STATIC_BLOCKS else n_blk, body, _sentinel(rows, ev))
+    return lax.fori_loop(0, ps // bk if STATIC_BLOCKS else n_blk, body, _sentinel(rows, e))
 
 
 def _sentinel(rows: int, e: int):
@@ -280,17 +273,15 @@ def _finish(state, dtype):
 
 
 def _split_kernel(pt_ref, lim_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, plan: _Plan):
-    """Grid (tile, kv head, partition x SPLIT_E): partition j's unnormalised (m, l, acc) per
-    row; with SPLIT_E = n, program (j, c) writes acc's columns c*E/n.. and the same m, l."""
-    j, c = pl.program_id(2) // SPLIT_E, pl.program_id(2) % SPLIT_E
-    ev = q_ref.shape[-1] // SPLIT_E
+    """Grid (tile, kv head, partition): partition j's unnormalised (m, l, acc) per row."""
+    j = pl.program_id(2)
     lim = lim_ref[...]  # [R] int32: row attends to kv positions < lim; -1 marks a padding row
     row_ok = lim >= 0
 
     @pl.when(j < _num_parts(lim, plan))  # the merge never reads partitions past the tile's end
     def _():
         q = _load_rows(q_ref, row_ok)
-        m, lsum, acc = _partition(j, q, lim, pt_ref, k_ref, v_ref, plan, (c * ev, ev))
+        m, lsum, acc = _partition(j, q, lim, pt_ref, k_ref, v_ref, plan)
         _store_rows(acc_ref, acc, row_ok)
         _store_rows(m_ref, m, row_ok)
         _store_rows(l_ref, lsum, row_ok)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _platform, paged_attention_kernels
+from pallas_kernels import _platform
 from pallas_kernels.paged_attention_kernels import (
     _LOG2E,
     ROWS,
@@ -241,18 +241,14 @@ def _paged_attention_pallas(
             name=f"paged_attention_looped_{tag}",
         )(*hb, pt, lim, q_tiles, k_cache, v_cache)
     else:
-        es = paged_attention_kernels.SPLIT_E  # a knob: read when traced
-        if es > 1 and (e % es or not paged_attention_kernels.KV_GATHER_2D):
-            raise ValueError(f"SPLIT_E={es} needs KV_GATHER_2D and E ({e}) divisible by it")
         acc, m, lsum = pl.pallas_call(
             _layered(functools.partial(_split_kernel, plan=plan), stacked, num_pages, kh),
-            grid=(nt, kh, num_parts * es),
+            grid=(nt, kh, num_parts),
             in_specs=[*hb_specs, pt_spec, lim_spec, q_spec, cache_spec, cache_spec],
             out_specs=[
-                pl.BlockSpec((None, None, None, rows, e // es),
-                             lambda i, k, j: (i, k, j // es, 0, j % es)),  # fmt: skip
-                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j // es, 0)),
-                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j // es, 0)),
+                pl.BlockSpec((None, None, None, rows, e), lambda i, k, j: (i, k, j, 0, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j, 0)),
+                pl.BlockSpec((None, None, None, rows), lambda i, k, j: (i, k, j, 0)),
             ],
             out_shape=[
                 jax.ShapeDtypeStruct((nt, kh, num_parts, rows, e), jnp.float32),

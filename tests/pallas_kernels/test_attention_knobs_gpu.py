@@ -2,16 +2,16 @@
 
 Knobs: module-level ints read when the kernels are traced, flipped per compile by
 `benchmarks/decode_bench.py --variants` (pallas_kernels/paged_attention_kernels.py KV_GATHER_2D,
-PAGES_AHEAD, STATIC_BLOCKS, SPLIT_E, MERGE_PREFETCH; paged_attention_pallas.py SPLIT_STAGES).
+PAGES_AHEAD, STATIC_BLOCKS; paged_attention_pallas.py SPLIT_STAGES).
 None changes a summed value or a summation order of the reduction plan; the defaults (the first
 three on, 3 stages) were made so without a fingerprint change, which holds only while the
 knobs-off kernel of before (`old_kernel`) gives the same bits.
 
 CPU (interpret mode, conftest): the new load paths (2-D gathers, page indices ahead, a static
-block loop with masked past-the-end blocks, V's columns over two programs) and the knobs-off
+block loop with masked past-the-end blocks) and the knobs-off
 loads, in the split and looped layouts and on a stacked cache, equal the default bitwise on a
 ragged batch whose last partitions are partial; controls (wrong slots, wrong pages, NaN
-past-the-end fill, V's columns of the wrong program) show the comparison sees those paths. The
+past-the-end fill) show the comparison sees those paths. The
 knobs also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
 `gpu`: each knob compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
 output, and a ragged batch of 4) and at a 512-token prefill chunk (split and looped), against
@@ -37,13 +37,12 @@ from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_b
 _MODULES = {"kern": kern, "launch": launch}
 
 # The defaults (KV_GATHER_2D, PAGES_AHEAD, STATIC_BLOCKS on, SPLIT_STAGES 3) against these:
-# the knobs-off loads, each path alone, and SPLIT_E (checked on the CPU too) ...
+# the knobs-off loads and each path alone (checked on the CPU too) ...
 OFF = {"kern.KV_GATHER_2D": 0, "kern.PAGES_AHEAD": 0, "kern.STATIC_BLOCKS": 0}
 LOAD_KNOBS = {
     "off": OFF,
     "gather2d_only": {**OFF, "kern.KV_GATHER_2D": 1},
     "ahead_static_only": {**OFF, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
-    "split_e2": {"kern.SPLIT_E": 2},
 }
 # ... and the launch parameters (interpret mode ignores them: GPU only). old_kernel: the kernel
 # before issue 11's session 9 (loads off, 2 stages), whose bits the defaults must keep.
@@ -51,8 +50,6 @@ LAUNCH_KNOBS = {
     "old_kernel": {**OFF, "launch.SPLIT_STAGES": 2},
     "stages2": {"launch.SPLIT_STAGES": 2},
     "stages4": {"launch.SPLIT_STAGES": 4},
-    "merge_prefetch2": {"kern.MERGE_PREFETCH": 2},
-    "split_e2_stages2": {"kern.SPLIT_E": 2, "launch.SPLIT_STAGES": 2},
 }
 
 
@@ -113,7 +110,7 @@ def _default(structure: str, layer: bool = False):
 # The default runs all three load paths (the 2-D loads masked past the tile's end); against it,
 # together, every other path once (each interpret-mode compile costs ~5 CPU s): the old loads
 # (off); the 2-D gather with per-token page loads (gather2d_only); page indices ahead and a
-# static loop with [pages, slot, E] loads (ahead_static_only); V's columns over two programs.
+# static loop with [pages, slot, E] loads (ahead_static_only).
 @pytest.mark.parametrize("name", list(LOAD_KNOBS))
 def test_load_knobs_keep_the_split_layouts_bits(name):
     w, args, want = _default("split")
@@ -140,8 +137,6 @@ def test_all_load_knobs_keep_the_looped_layouts_bits_on_a_stacked_cache():
         ({"kern.KV_GATHER_2D": 0}, ("_block_page_index", None)),
         # blocks past the tile's end read NaN instead of zeros: they run, and count
         ({}, ("_PAST_END_FILL", float("nan"))),
-        # both column programs fold V's first columns
-        ({"kern.SPLIT_E": 2}, ("_partition", None)),
     ],
 )
 def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch):
@@ -154,25 +149,10 @@ def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch)
             idx = orig(plan, per_token)
             return jnp.roll(idx, -1, axis=0)
 
-    elif attr == "_partition":
-        orig_partition = kern._partition
-
-        def new(*a, v_cols=(0, None), **kw):
-            if len(a) == 8:  # (j, q, lim, pt, k, v, plan, v_cols)
-                a, v_cols = a[:7], a[7]
-            return orig_partition(*a, v_cols=(0, v_cols[1]), **kw)
-
     monkeypatch.setattr(kern, attr, new)
     with knobs(setting):
         got = _run(w, args, "split")
     assert not np.array_equal(got, want), attr
-
-
-def test_split_e_without_the_2d_gather_is_refused():
-    w, args, _ = _default("split")
-    with knobs({"kern.SPLIT_E": 2, "kern.KV_GATHER_2D": 0}), \
-            pytest.raises(ValueError, match="SPLIT_E=2 needs"):
-        _run(w, args, "split")
 
 
 def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
@@ -198,7 +178,7 @@ def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
             sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
             sd((), jnp.int32))  # fmt: skip
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    for setting in ({}, LOAD_KNOBS["ahead_static_only"], LOAD_KNOBS["split_e2"]):
+    for setting in ({}, LOAD_KNOBS["off"], LOAD_KNOBS["ahead_static_only"]):
         with knobs(setting):
             text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
         calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
