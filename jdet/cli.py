@@ -15,6 +15,8 @@ from jdet import spec_config
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
 
+LATENCY_MAX_TOKENS = 256  # `jdet generate` compiles for latency up to this --max-tokens
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jdet", description=__doc__.splitlines()[0])
@@ -79,7 +81,8 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
     # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
     # Its steps are compiled for latency (jdet/step.py CPU_LATENCY_XLA_OPTIONS on a CPU: ~1/3
-    # less compile, same bits; a few dozen steps do not repay a slower compile).
+    # less compile, ~1.2 CPU s, for a step ~1/4 slower, same bits) up to LATENCY_MAX_TOKENS
+    # tokens, well below where the slower steps would eat the compile's gain (~500 tokens).
     # (Switched back at the end: `main` also runs inside other processes, e.g. the tests.)
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
@@ -88,7 +91,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     engine = _one_shape_budget(engine, spec)
     exec_cache.load_on_call(True)
     latency_was = step.for_latency()
-    step.compile_for_latency(True)
+    step.compile_for_latency(a.max_tokens <= LATENCY_MAX_TOKENS)
     variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, sampler_variants.ON_DEMAND
     gc_was_on = gc.isenabled()
     gc.disable()
