@@ -24,18 +24,22 @@ from jdet import plan
 
 @contextmanager
 def backend_compiles() -> Iterator[list[float]]:
-    """The XLA compiles (durations) JAX runs inside the block."""
+    """The XLA compiles (durations) JAX runs inside the block, with the persistent compilation
+    cache off (the tests' cache is shared by the run's workers: a hit would hide a compile)."""
     seen: list[float] = []
 
     def listener(event: str, duration: float, **_: object) -> None:
         if event == dispatch.BACKEND_COMPILE_EVENT:
             seen.append(duration)
 
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     monitoring.register_event_duration_secs_listener(listener)
     try:
         yield seen
     finally:
         monitoring.unregister_event_duration_listener(listener)
+        jax.config.update("jax_enable_compilation_cache", cache_was)
 
 
 def test_the_counter_sees_a_compile():
