@@ -31,8 +31,8 @@ import pytest
 from pallas_kernels import paged_attention_kernels as kern
 from pallas_kernels import paged_attention_pallas as launch
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.paged_attention_pallas import attention_meta
 from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_batch, make_world
+from tests.pallas_kernels.triton_export import triton_calls_at_8b_decode
 
 _MODULES = {"kern": kern, "launch": launch}
 
@@ -158,30 +158,15 @@ def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch)
 def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
     """Every load knob and the launch knobs pass the Pallas Triton lowering (split + merge at
     the Llama-3-8B decode shape, stacked cache; exported for 'cuda' on the CPU, ptxas not run)."""
-    from jax import export
 
-    from pallas_kernels import _platform
-
-    monkeypatch.setattr(_platform, "interpret_default", lambda: False)
-    sd = jax.ShapeDtypeStruct
-    cache = sd((2, 8, 64, 16, 128), jnp.bfloat16)
-    t, s, pmax = 1, 1, 64
-
-    def f(q, kc, vc, pt, cl, qs, pos, layer):
-        meta = attention_meta(pt, cl, qs, pos, t=t, g=4, num_pages=64, page_size=16,
-                              partition_size=256)  # fmt: skip
+    def attend(q, kc, vc, pt, cl, qs, pos, layer, meta):
         return paged_attention(q, kc, vc, pt, cl, qs, pos, scale=0.1, partition_size=256,
                                layer=layer, meta=meta, out_rows=64, structure="split",
                                direct_out=True, backend="pallas")  # fmt: skip
 
-    args = (sd((t, 32, 128), jnp.bfloat16), cache, cache, sd((s, pmax), jnp.int32),
-            sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
-            sd((), jnp.int32))  # fmt: skip
-    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for setting in ({}, LOAD_KNOBS["off"], LOAD_KNOBS["ahead_static_only"]):
         with knobs(setting):
-            text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
-        calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
+            calls = triton_calls_at_8b_decode(monkeypatch, attend)
         assert len(calls) == 2, setting
 
 

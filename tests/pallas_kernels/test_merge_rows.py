@@ -11,7 +11,6 @@ Triton lowering (exported for 'cuda'). `gpu`: the compiled kernels, bitwise.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from pallas_kernels import paged_attention_kernels
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_pallas import attention_meta
 from tests.jdet.test_step_fusion import _attention_inputs
+from tests.pallas_kernels.triton_export import triton_calls_at_8b_decode
 
 
 def _both(out_rows: int, layer: int, direct: bool):
@@ -61,29 +61,14 @@ def test_control_rows_left_unwritten_are_seen(monkeypatch):
 def test_merge_rows_lowers_to_a_triton_module(monkeypatch):
     """The split + row-writing merge pass the Pallas Triton lowering at the Llama-3-8B decode
     shape (exported for 'cuda' on the CPU; ptxas is not run here)."""
-    from jax import export
-
-    from pallas_kernels import _platform
     from pallas_kernels.paged_attention_pallas import _paged_attention_pallas
 
-    monkeypatch.setattr(_platform, "interpret_default", lambda: False)
-    sd = jax.ShapeDtypeStruct
-    cache = sd((2, 8, 64, 16, 128), jnp.bfloat16)
-    t, s, pmax = 1, 1, 64
-
-    def f(q, kc, vc, pt, cl, qs, pos, layer):
-        meta = attention_meta(pt, cl, qs, pos, t=t, g=4, num_pages=64, page_size=16,
-                              partition_size=256)  # fmt: skip
+    def attend(q, kc, vc, pt, cl, qs, pos, layer, meta):
         return _paged_attention_pallas(q, kc, vc, pt, cl, qs, pos, scale=0.1,
                                        partition_size=256, layer=layer, meta=meta, out_rows=64,
                                        structure="split", direct_out=True)  # fmt: skip
 
-    args = (sd((t, 32, 128), jnp.bfloat16), cache, cache, sd((s, pmax), jnp.int32),
-            sd((s,), jnp.int32), sd((s + 1,), jnp.int32), sd((t,), jnp.int32),
-            sd((), jnp.int32))  # fmt: skip
-    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    text = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
-    names = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
+    names = triton_calls_at_8b_decode(monkeypatch, attend)
     assert len(names) == 2
     assert 'name = "paged_attention_merge_rows_' in names[1]
 
