@@ -52,18 +52,13 @@ def bio_configs(n: int) -> dict:
 
 
 def _decode(cta_n: int, tile_k: int, subtree: int = 1):
-    """`decode_config` with DECODE_CTA_N / DECODE_TILE_K set to these values."""
+    """`decode_config` with these CTA columns and K step (the module's defaults aside)."""
     import jax.numpy as jnp
 
     from pallas_kernels import matmul_mosaic as mm
 
-    saved = mm.DECODE_CTA_N, mm.DECODE_TILE_K
-    mm.DECODE_CTA_N, mm.DECODE_TILE_K = cta_n, tile_k
-    try:
-        out = jnp.float32 if subtree > 1 else jnp.bfloat16
-        return mm.decode_config(out, subtree)
-    finally:
-        mm.DECODE_CTA_N, mm.DECODE_TILE_K = saved
+    out = jnp.float32 if subtree > 1 else jnp.bfloat16
+    return mm.decode_config(out, subtree, cta_n=cta_n, tile_k=tile_k)
 
 
 def tree_configs() -> dict:

@@ -98,8 +98,10 @@ def decode_rows(m: int) -> bool:
     return SMALL_M_TILES and m <= SMALL_M_ROWS
 
 
-def decode_config(out_dtype, subtree: int = 1) -> MosaicConfig:
-    """CTA 64 x DECODE_CTA_N, DECODE_TILE_K columns of K per pipeline step.
+def decode_config(out_dtype, subtree: int = 1, cta_n: int | None = None,
+                  tile_k: int | None = None) -> MosaicConfig:  # fmt: skip
+    """CTA 64 x cta_n (default DECODE_CTA_N), tile_k (DECODE_TILE_K) columns of K per pipeline
+    step; benchmarks/tile_probe.py passes other values to compare them.
 
     One consumer warpgroup at 64 columns, two side by side at 128: a 64 x 64 accumulator either
     way, the same wgmma instructions per element; only the CTA count (and so the SMs streaming
@@ -109,12 +111,13 @@ def decode_config(out_dtype, subtree: int = 1) -> MosaicConfig:
     Llama-3-8B 7.03 -> 6.93 ms, Qwen3-0.6B 1.86 -> 1.76 ms; the q|k|v product (N = 6144) had
     48 CTAs on 132 SMs and now has 96. tests/pallas_kernels/test_matmul.py checks every
     combination against the 128-row plan on the GPU."""
-    wgs = DECODE_CTA_N // 64
+    wgs = (cta_n or DECODE_CTA_N) // 64
+    tile_k = tile_k or DECODE_TILE_K
     return MosaicConfig(
         tile_m=64,
         tile_n=64,
-        tile_k=DECODE_TILE_K,
-        max_concurrent_steps=_stages(64, 64 * wgs, 64, 64, out_dtype, wgs, DECODE_TILE_K),
+        tile_k=tile_k,
+        max_concurrent_steps=_stages(64, 64 * wgs, 64, 64, out_dtype, wgs, tile_k),
         wg_split="N",
         num_wgs=wgs,
         subtree=subtree,
