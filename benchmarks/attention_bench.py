@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,13 @@ PREFILL_TOKENS = [2048, 8192]
 E = 128
 PAGE = 16
 
+
+def _saved(out_dir: str, name: str, data: Any) -> Any:
+    """Write `data` as JSON to out_dir/name and return it (every run of this benchmark)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as fh:
+        json.dump(data, fh, indent=1)
+    return data
 
 def _time(fn, *args, iters: int = 20, reps: int = 3) -> float:
     """Median over `reps` of the mean time of `iters` back-to-back async dispatches (seconds)."""
@@ -138,10 +146,7 @@ def run(out_dir: str) -> dict:
             print(exc, file=sys.stderr)
         print(json.dumps(r), flush=True)
         results["prefill"].append(r)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "attention_bench.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-    return results
+    return _saved(out_dir, "attention_bench.json", results)
 
 
 SWEEP = [  # (block_rows, block_kv, num_warps, num_stages): each a different, self-consistent plan
@@ -204,10 +209,7 @@ def sweep(out_dir: str) -> list:
                 row[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "attention_sweep.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
-    return rows
+    return _saved(out_dir, "attention_sweep.json", rows)
 
 
 # Decode shapes of the model's layer loop: (name, layers, q heads, kv heads), head dim 128,
@@ -277,10 +279,7 @@ def knob_rows(out_dir: str, variants: list[str]) -> list:
                 row["error"] = traceback.format_exc()[-2000:]
             print(json.dumps(row), flush=True)
             rows.append(row)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "attention_knobs.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
-    return rows
+    return _saved(out_dir, "attention_knobs.json", rows)
 
 
 def _one_layer_bits(h: int, hkv: int, ctx: int = 1000) -> jax.Array:
