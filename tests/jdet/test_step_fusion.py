@@ -137,17 +137,24 @@ def _attention_inputs(dtype=jnp.bfloat16):
     return q, k, v, b
 
 
+_META_STATIC = ("t", "g", "num_pages", "page_size", "partition_size", "block_rows")
+
+
 def test_attention_meta_and_out_rows_change_no_bit(interpret):
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.paged_attention_pallas import attention_meta
 
     q, k, v, b = _attention_inputs()
     args = (q, k, v, b.page_table, b.context_lens, b.query_start, b.positions)
+    # once for every layer, as the model does; jitted, as in the model's step (run eagerly its
+    # small integer ops compiled one by one: ~50 compiles on a CPU)
+    meta = jax.jit(attention_meta, static_argnames=_META_STATIC)(
+        b.page_table, b.context_lens, b.query_start, b.positions, t=9, g=4, num_pages=12,
+        page_size=4, partition_size=8,
+    )  # fmt: skip
     for layer in (0, 2):
         kw = dict(scale=0.2, partition_size=8, layer=jnp.int32(layer))
         plain = np.asarray(paged_attention(*args, **kw))
-        meta = attention_meta(b.page_table, b.context_lens, b.query_start, b.positions, t=9,
-                              g=4, num_pages=12, page_size=4, partition_size=8)  # fmt: skip
         hoisted = np.asarray(paged_attention(*args, **kw, meta=meta, out_rows=64))
         assert hoisted.shape == (64, 8, 32)
         assert np.array_equal(hoisted[:9], plain), layer
@@ -164,8 +171,10 @@ def test_attention_meta_of_another_layout_is_refused(interpret):
     from pallas_kernels.paged_attention_pallas import attention_meta
 
     q, k, v, b = _attention_inputs()
-    meta = attention_meta(b.page_table, b.context_lens, b.query_start, b.positions, t=9, g=2,
-                          num_pages=12, page_size=4, partition_size=8)  # fmt: skip
+    meta = jax.jit(attention_meta, static_argnames=_META_STATIC)(
+        b.page_table, b.context_lens, b.query_start, b.positions, t=9, g=2, num_pages=12,
+        page_size=4, partition_size=8,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="attention_meta"):
         paged_attention(q, k, v, b.page_table, b.context_lens, b.query_start, b.positions,
                         scale=0.2, partition_size=8, layer=jnp.int32(0), meta=meta)  # fmt: skip
