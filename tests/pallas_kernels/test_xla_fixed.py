@@ -182,6 +182,8 @@ def test_xla_attention_matches_f32_reference_on_a_mixed_batch(name):
 def test_xla_attention_rows_do_not_depend_on_chunking_decode_or_batch(dtype):
     w = make_world(2, [75, 30, 9], kh=2, h=8, e=64, dtype=dtype)
     whole = run_chunked(w, 0, 75, 75)
+    # chunks 1 and 7 and the decodes are steps of one token group (T <= xla_fixed.TB), whose real
+    # tokens attend one at a time; 16, 64 and the whole run groups of TB tokens: both paths
     for chunk in (1, 7, 16, 64):
         assert_bits_equal(run_chunked(w, 0, 75, chunk), whole, f"chunk={chunk}")
     for p in (60, 74):  # decode beside another sequence, page table wider than needed
