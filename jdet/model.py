@@ -13,6 +13,8 @@ runs on a tensor-parallel shard. All reductions go through `ops` (jdet/ops.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -82,8 +84,19 @@ def layer_forward(
     if ops.fused:  # fused q|k|v (jdet/plan.py fuse_projections): same bits, one launch
         nk = kv["k"].shape[1] * E  # local kv heads x E, read off the (sharded) cache
         qkv_rows = ops.matmul(h, lp["wqkv"])
+        nq = qkv_rows.shape[-1] - 2 * nk
+        qk = None
+        if cfg.qk_norm and not cfg.qkv_bias and ops.fuses_rope_kv(attn_meta):
+            # Qwen3: the head norms read the rows in place and rope_kv reads v from them (no
+            # slices); the same bits as the slice + norm path below (Ops.head_norms)
+            qk = ops.head_norms(qkv_rows, norms["q_norm"], norms["k_norm"], eps, layer, T,
+                                nq // E, nk // E)  # fmt: skip
+        if qk is not None:
+            q, kv = ops.rope_kv_write((qk, qkv_rows), cos, sin, kv, layer, batch, attn_meta,
+                                      nq // E)  # fmt: skip
+            return _attention_and_mlp(lp, x, q, kv, layer, batch, cfg, ops, norms, attn_meta,
+                                      rows, next_norm)  # fmt: skip
         qkv = qkv_rows[:T]
-        nq = qkv.shape[-1] - 2 * nk
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
     else:
         q = ops.matmul(h, lp["wq"])[:T]
@@ -108,6 +121,18 @@ def layer_forward(
             "k": write_kv(kv["k"], layer, k, batch.slot_mapping),
             "v": write_kv(kv["v"], layer, v, batch.slot_mapping),
         }
+    return _attention_and_mlp(lp, x, q, kv, layer, batch, cfg, ops, norms, attn_meta, rows,
+                              next_norm)  # fmt: skip
+
+
+def _attention_and_mlp(
+    lp: dict, x: jax.Array, q: Any, kv: dict, layer: jax.Array, batch: StepBatch,
+    cfg: ModelConfig, ops: Ops, norms: dict, attn_meta: dict | None, rows: int,
+    next_norm: jax.Array | None,
+) -> tuple[jax.Array, dict, jax.Array | None]:  # fmt: skip
+    """The rest of `layer_forward` once the query is ready and the cache written."""
+    E = cfg.head_dim
+    eps = cfg.rms_norm_eps
     attn = ops.attention(q, kv, layer, batch, E**-0.5, meta=attn_meta, out_rows=rows)
     attn = attn.reshape(rows, -1)
     if cfg.o_bias:
@@ -136,6 +161,13 @@ def embed(params: dict, token_ids: jax.Array) -> jax.Array:
 def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
     """The tied embedding's transpose, unless the weights hold an `lm_head` (`Ops.untied`)."""
     return params["embed"].T if cfg.tie_word_embeddings and not ops.untied else params["lm_head"]
+
+
+# The layer loop of the invariant modes: a `lax.while_loop` whose counter is the layer (1), or a
+# `lax.scan` over the stacked weights and arange(L) (0). The same arithmetic either way (a module
+# knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
+# keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
+LAYER_WHILE_LOOP = 1
 
 
 def hidden_states(
@@ -180,8 +212,21 @@ def hidden_states(
 
     # Not unrolled: with lax.scan(unroll=2 or 4) the 8B step took 16.8 ms instead of 7.5 on an
     # H100 (the weight slices are then copied out of the stack, not read in place).
-    xs = (layers, jnp.arange(L, dtype=jnp.int32))
-    (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
+    if not (LAYER_WHILE_LOOP and ops.invariant):  # "none" stays differentiable (jdet/train.py)
+        xs = (layers, jnp.arange(L, dtype=jnp.int32))
+        (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
+        return kv, x[:T]
+
+    # The loop's own counter is the layer index: the same layer bodies as the scan over
+    # (weights, arange(L)), without the per-layer slice of arange(L) (an async copy, ~1.4 us a
+    # layer on an H100) that the scan's xs needed.
+    def step(carry: tuple) -> tuple:
+        layer, x, h, kv = carry
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
+        (x, h, kv), _ = body((x, h, kv), (lp, layer))
+        return layer + 1, x, h, kv
+
+    _, x, _, kv = jax.lax.while_loop(lambda c: c[0] < L, step, (jnp.int32(0), x, h, kv))
     return kv, x[:T]
 
 

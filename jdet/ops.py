@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("tp", "batch", "none")
+# Qwen3's q/k head norms read from the fused projection's rows in one launch (`Ops.head_norms`,
+# the same bits); 0 slices and normalises them as separate ops (benchmarks compare the two).
+HEAD_NORMS_IN_PLACE = 1
 
 
 def check_mode(invariance: str) -> str:
@@ -237,6 +240,25 @@ class Ops:
         """Whether the model runs `rope_kv` this step: the flag is on and the Pallas attention
         runs (`meta`, the step's `attention_meta`, exists only then)."""
         return bool(self.rope_kv) and meta is not None
+
+    def head_norms(
+        self, qkv: jax.Array, q_w: jax.Array, k_w: jax.Array, eps: float, layer: jax.Array,
+        tokens: int, q_heads: int, kv_heads: int,
+    ) -> jax.Array | None:  # fmt: skip
+        """Qwen3's q and k head norms read from the fused projection's rows in one launch
+        (`rms_norm.head_rms_norm`: the same bits as `rms_norm` on the sliced heads), for
+        `rope_kv_write`'s (q|k rows, fused rows) form; None where `rms_norm` is not the Pallas
+        kernel (the model then slices and normalises as before)."""
+        from pallas_kernels import _platform
+
+        if not (HEAD_NORMS_IN_PLACE and self.invariant):
+            return None
+        if _platform.resolve(None, "rms_norm") != "pallas":
+            return None
+        from pallas_kernels.rms_norm import head_rms_norm
+
+        return head_rms_norm(qkv, q_w, k_w, eps, layer=layer, tokens=tokens, q_heads=q_heads,
+                             kv_heads=kv_heads)  # fmt: skip
 
     def rope_kv_write(
         self, qkv: Any, cos: jax.Array, sin: jax.Array, kv: dict, layer: jax.Array, batch: Any,

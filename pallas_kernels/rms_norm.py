@@ -37,16 +37,21 @@ def block_d_for(d: int) -> int:
     return min(1 << max(0, (d - 1).bit_length()), 1024)
 
 
-def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
+def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int, int] = (0, 0)):
     """One row. With `stacked`, w_ref is the flat [L*D] stack of every layer's weight and the
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
-    launch) per norm per layer."""
-    if stacked:
+    launch) per norm per layer. With `heads` = (H, K) (`head_rms_norm`), there are two weight
+    stacks, q's and k's, and row i takes q's where i % (H + K) < H: the same arithmetic."""
+    q_heads, kv_heads = heads
+    if q_heads:
+        layer_ref, x_ref, w_ref, wk_ref, o_ref = refs
+    elif stacked:
         layer_ref, x_ref, w_ref, o_ref = refs
     else:
         x_ref, w_ref, o_ref = refs
     d = x_ref.shape[0]
     w_off = layer_ref[0] * d if stacked else 0
+    is_q = pl.program_id(0) % (q_heads + kv_heads) < q_heads if q_heads else None
     steps = pl.cdiv(d, block_d)
     ragged = d % block_d != 0
 
@@ -66,6 +71,9 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool):
         idx, mask = lanes(i)
         x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
         w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
+        if q_heads:
+            wk = _load(wk_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
+            w = jnp.where(is_q, w, wk)
         normed = (x * inv).astype(o_ref.dtype)
         # The product of two 16-bit floats is exact in f32, so rounding it once to x.dtype is
         # bitwise a native x.dtype multiply (HF's `weight * hidden.to(dtype)`), on every backend.
@@ -131,6 +139,64 @@ def _rms_norm_pallas(
         compiler_params=params,
         name="bi_rms_norm",
     )(*operands)
+
+
+def head_rms_norm(
+    qkv: jax.Array, q_w: jax.Array, k_w: jax.Array, eps: float, *, layer: jax.Array, tokens: int,
+    q_heads: int, kv_heads: int,
+) -> jax.Array:  # fmt: skip
+    """RMSNorm of every q and k head of the first `tokens` rows of the fused projection
+    qkv[R >= T, (H + 2K) * E], read where they are: out[T * (H + K), E], token t's head j (q
+    heads, then k heads) in row t * (H + K) + j, normalised with q_w[layer] (j < H) or
+    k_w[layer] (the stacks [L, E]).
+
+    Why: Qwen3's q/k head norms ran as three slices of the projection's rows (q, k, v: XLA
+    copies) and two norm launches per layer (~6.6 us a layer on an H100 at batch 1); this is
+    one launch, and `rope_kv` then reads v from the projection's rows directly. Bits: each row
+    is `rms_norm`'s program (same block_d, same warps, same rounding points) on the same values
+    with the same weight row, so the result equals `rms_norm(q.reshape(-1, E), q_w, layer=...)`
+    and k's bitwise (tests/pallas_kernels/test_rms_norm.py). GPU and interpret mode only."""
+    nh = q_heads + 2 * kv_heads
+    e = q_w.shape[-1]
+    if (qkv.ndim != 2 or qkv.shape[0] < tokens or qkv.shape[1] != nh * e or q_w.ndim != 2
+            or k_w.shape != q_w.shape):  # fmt: skip
+        raise ValueError(
+            f"head_rms_norm expects qkv[R >= {tokens}, (H + 2K) * E = {nh * e}] and q/k weight "
+            f"stacks [L, E]; got {qkv.shape}, {q_w.shape}, {k_w.shape}"
+        )
+    flat = qkv.reshape(-1, e)
+    return _head_rms_norm_pallas(
+        flat, q_w.reshape(-1), k_w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32),
+        tokens=tokens, q_heads=q_heads, kv_heads=kv_heads,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tokens", "q_heads", "kv_heads"))
+def _head_rms_norm_pallas(flat, q_w, k_w, eps: float, layer, *, tokens: int, q_heads: int,
+                          kv_heads: int):  # fmt: skip
+    e = flat.shape[1]
+    nh = q_heads + 2 * kv_heads
+    per = q_heads + kv_heads
+    interpret = _platform.interpret_default()
+    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    kernel = functools.partial(
+        _rms_kernel, eps=eps, block_d=block_d_for(e), stacked=True, heads=(q_heads, kv_heads)
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tokens * per, e), flat.dtype),
+        grid=(tokens * per,),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i: (0,)),
+            pl.BlockSpec((None, e), lambda i: ((i // per) * nh + i % per, 0)),
+            pl.BlockSpec(q_w.shape, lambda i: (0,)),
+            pl.BlockSpec(k_w.shape, lambda i: (0,)),
+        ],
+        out_specs=pl.BlockSpec((None, e), lambda i: (i, 0)),
+        interpret=interpret,
+        compiler_params=params,
+        name="bi_head_rms_norm",
+    )(layer.reshape(1), flat, q_w, k_w)
 
 
 def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float, block_d: int,

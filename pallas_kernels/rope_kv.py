@@ -16,7 +16,7 @@ op-by-op jnp does not, so an f32 comparison must be against jitted code).
 
 Layout:
 - sources: the fused projection's rows qkv[R >= T, (H + 2K) * E] (q heads, then k, then v), or
-  q[T, H, E], k[T, K, E], v[T, K, E];
+  q[T, H, E], k[T, K, E], v[T, K, E], or (Qwen3's head-normed q|k rows, the fused rows for v);
 - caches [L, K, P, B, E], updated in place (input_output_aliases): token t's K/V go to layer
   `layer`, slot s = page * B + offset, i.e. flat row ((layer * K + k) * P * B + s); slot -1
   (padding) is not written, as jdet/kv_cache.py `write_kv` drops it;
@@ -148,7 +148,9 @@ def rope_kv(
 ) -> tuple[QueryTiles, jax.Array, jax.Array]:
     """RoPE(q) as `QueryTiles`, and the caches with RoPE(k) and v written (module docstring).
 
-    `qkv`: the fused rows [R >= T, (H + 2K) * E] or (q[T, H, E], k[T, K, E], v[T, K, E]);
+    `qkv`: the fused rows [R >= T, (H + 2K) * E], or (q[T, H, E], k[T, K, E], v[T, K, E]), or
+    (q|k rows [T * (H + K), E] as `rms_norm.head_rms_norm` returns them, the fused rows: v is
+    read from these);
     cos, sin [T, E] f32 (jdet/model.py `rope_tables`); slot_mapping [T]; caches [L, K, P, B, E]
     (a uint16-stored one, the CPU's, is bitcast to q's dtype around the call); `tok_c` [NT,
     block_q] and `rows` (block_q * G_pad): the attention's tile plan (`attention_meta`'s
@@ -181,7 +183,18 @@ def _rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, tok_c, layer, *, q_h
     g_pad = rows // block_q
     if block_q * g_pad != rows or not _pow2(g_pad) or g_pad < q_heads // kh:
         raise ValueError(f"rope_kv: tile plan tok_c{tok_c.shape} does not fit rows={rows}")
-    if isinstance(qkv, tuple):
+    if isinstance(qkv, tuple) and len(qkv) == 2:  # (head-normed q|k rows, the fused rows)
+        qk, rows_all = qkv
+        nh = q_heads + 2 * kh
+        if qk.shape != (t * (q_heads + kh), e) or rows_all.ndim != 2 or rows_all.shape[0] < t \
+                or rows_all.shape[1] != nh * e:  # fmt: skip
+            raise ValueError(
+                f"rope_kv: expected normed q|k rows [{t * (q_heads + kh)}, {e}] and fused rows "
+                f"[R >= {t}, {nh * e}]; got {qk.shape}, {rows_all.shape}"
+            )
+        srcs = (qk, qk, rows_all.reshape(-1, e))
+        offs = ((q_heads + kh, 0), (q_heads + kh, q_heads), (nh, q_heads + kh))
+    elif isinstance(qkv, tuple):
         q, k, v = qkv
         if q.shape != (t, q_heads, e) or k.shape != (t, kh, e) or v.shape != k.shape:
             raise ValueError(

@@ -89,3 +89,56 @@ def test_gpu_xla_row_sum_batch_dependence_is_recorded():
     assert np.array_equal(
         np.asarray(rms_norm(x[:1], w))[0], np.asarray(rms_norm(x[: differs[0]], w))[0]
     )
+
+
+def _head_norm_case(seed: int, tokens: int, h: int, kh: int, e: int):
+    """Fused q|k|v rows (more rows than tokens, the extra ones junk) and q/k weight stacks."""
+    qkv = _rand(seed, (tokens + 3, (h + 2 * kh) * e), jnp.bfloat16) * 3
+    return qkv, _rand(seed + 1, (3, e), jnp.bfloat16), _rand(seed + 2, (3, e), jnp.bfloat16)
+
+
+def _sliced_head_norms(qkv, qw, kw, tokens: int, h: int, kh: int, layer: int):
+    """What jdet/model.py does without Ops.head_norms: slice q and k, normalise each head row."""
+    e = qw.shape[1]
+    heads = qkv[:tokens].reshape(tokens, h + 2 * kh, e)
+    q = rms_norm(heads[:, :h].reshape(-1, e), qw, 1e-6, layer=jnp.int32(layer))
+    k = rms_norm(heads[:, h : h + kh].reshape(-1, e), kw, 1e-6, layer=jnp.int32(layer))
+    return np.concatenate([np.asarray(q).reshape(tokens, h, e),
+                           np.asarray(k).reshape(tokens, kh, e)], axis=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_head_rms_norm_equals_rms_norm_of_the_sliced_heads(tokens):
+    """Qwen3's head norms read from the fused rows in one launch give rms_norm's bits on the
+    sliced q and k heads (same program per row), each head with its own weight stack row.
+    Control: the k weights swapped for q's are seen."""
+    from pallas_kernels.rms_norm import head_rms_norm
+
+    h, kh, e = 4, 2, 32
+    qkv, qw, kw = _head_norm_case(10, tokens, h, kh, e)
+    for layer in (0, 2):
+        got = head_rms_norm(qkv, qw, kw, 1e-6, layer=jnp.int32(layer), tokens=tokens, q_heads=h,
+                            kv_heads=kh)  # fmt: skip
+        want = _sliced_head_norms(qkv, qw, kw, tokens, h, kh, layer)
+        got = np.asarray(got).reshape(tokens, h + kh, e)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), layer
+        wrong = head_rms_norm(qkv, qw, qw, 1e-6, layer=jnp.int32(layer), tokens=tokens,
+                              q_heads=h, kv_heads=kh)  # fmt: skip
+        assert not np.array_equal(np.asarray(wrong).reshape(got.shape)[:, h:], got[:, h:])
+    with pytest.raises(ValueError, match="head_rms_norm expects"):
+        head_rms_norm(qkv[:, :-1], qw, kw, 1e-6, layer=jnp.int32(0), tokens=tokens, q_heads=h,
+                      kv_heads=kh)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_head_rms_norm_equals_rms_norm_of_the_sliced_heads():
+    from pallas_kernels.rms_norm import head_rms_norm
+
+    h, kh, e = 32, 8, 128
+    for tokens in (1, 64, 300):
+        qkv, qw, kw = _head_norm_case(20, tokens, h, kh, e)
+        got = head_rms_norm(qkv, qw, kw, 1e-6, layer=jnp.int32(1), tokens=tokens, q_heads=h,
+                            kv_heads=kh)  # fmt: skip
+        want = _sliced_head_norms(qkv, qw, kw, tokens, h, kh, 1)
+        got = np.asarray(got).reshape(tokens, h + kh, e)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), tokens

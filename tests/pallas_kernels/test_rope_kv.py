@@ -4,8 +4,8 @@ issue 11) against the XLA path it replaces: jdet/model.py `apply_rope`, jdet/kv_
 
 CPU: the kernel in interpret mode (conftest sets JDET_PALLAS_INTERPRET=1), bitwise
 (np.array_equal) on the query tiles, the whole K and V caches and the attention output, for the
-fused q|k|v rows and for separate q, k, v, with a prefill chunk, decodes and padding tokens (slot
--1) in one step; the model's forward with `Ops.rope_kv` on = off. A check that the kernel lowers
+fused q|k|v rows, for separate q, k, v and for Qwen3's (normed q|k rows, fused rows), with a
+prefill chunk, decodes and padding tokens (slot -1) in one step; the model's forward with `Ops.rope_kv` on = off. A check that the kernel lowers
 to a Triton module (exported for 'cuda' on the CPU; ptxas is not run here). Negative controls: a
 kernel writing one slot further, and one RoPE table entry changed, are seen by the same comparisons.
 `gpu`: the compiled kernel against the XLA path, and the model's steps with the flag on vs off.
@@ -79,7 +79,12 @@ def _tiles_of(qr, w) -> np.ndarray:
 
 
 def _kernel(w, layer: int, source: str, slots=None, cos=None):
-    src = w["qkv"] if source == "fused" else (w["q"], w["k"], w["v"])
+    if source == "normed":  # (q|k rows as rms_norm.head_rms_norm lays them out, fused rows)
+        t, kh = w["q"].shape[0], w["k"].shape[1]
+        qk = w["qkv"][:t].reshape(t, w["h"] + 2 * kh, -1)[:, : w["h"] + kh]
+        src = (qk.reshape(t * (w["h"] + kh), -1), w["qkv"])
+    else:
+        src = w["qkv"] if source == "fused" else (w["q"], w["k"], w["v"])
     slots = w["b"].slot_mapping if slots is None else slots
     return rope_kv(src, w["cos"] if cos is None else cos, w["sin"], slots, w["kc"], w["vc"],
                    w["meta"]["tok_c"], layer=jnp.int32(layer), q_heads=w["h"],
@@ -99,7 +104,7 @@ def _bits(x) -> np.ndarray:
     return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
 
 
-@pytest.mark.parametrize("source", ["fused", "split"])
+@pytest.mark.parametrize("source", ["fused", "split", "normed"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_rope_kv_equals_the_xla_path(source, dtype):
     w = _world(dtype=dtype)
@@ -200,7 +205,7 @@ def test_rope_kv_lowers_to_a_triton_module(monkeypatch):
 
 # -- compiled on the GPU ---------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("source", ["fused", "split"])
+@pytest.mark.parametrize("source", ["fused", "split", "normed"])
 def test_gpu_rope_kv_equals_the_xla_path(source):
     """Compiled Triton kernel vs XLA's fusions, bitwise (tiles, caches, attention output). If
     this fails on the tiles / K cache only, Triton and XLA contract RoPE's products and sums
