@@ -94,9 +94,13 @@ class ModelRunner:
             self.token_sharding = NamedSharding(rt.mesh, PartitionSpec())
         else:
             replicated = None
-            self.kv = init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype)
-            self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
             self.token_sharding = SingleDeviceSharding(jax.devices()[0])
+            # committed to the device, as every step's returned cache is: an uncommitted first
+            # cache is another argument sharding, so the first step shape compiled twice
+            self.kv = jax.device_put(
+                init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype), self.token_sharding
+            )
+            self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
