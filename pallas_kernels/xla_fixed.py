@@ -328,21 +328,20 @@ def paged_attention(
         return jnp.where((lsum > 0)[..., None], acc / safe[..., None], 0.0)
 
     def single(qq: jax.Array, ss: jax.Array, ll: jax.Array) -> jax.Array:
-        """The step's tokens one at a time, only those with KV to attend to (ll > 0): a step of
-        one group (T <= TB: a decode of up to TB sequences) mostly holds padding rows, which
+        """The step's tokens one at a time, up to the last with KV to attend to (ll > 0): a step
+        of one group (T <= TB: a decode of up to TB sequences) mostly holds padding rows, which
         the group's loop would gather KV for and compute like real ones (a batch-1 decode: 8x
         the attention's work)."""
-        real = ll > 0
-        order = jnp.argsort(~real, stable=True).astype(jnp.int32)  # real tokens first
+        # up to the last token with KV (the batch's padding rows come last; a row with none
+        # before it gets attend's zeros, as in a group)
+        n = jnp.max(jnp.where(ll > 0, jnp.arange(1, ll.shape[0] + 1, dtype=jnp.int32), 0))
 
-        def token(i, out):
-            r = order[i]
+        def token(r, out):
             o = attend(lax.dynamic_slice_in_dim(qq, r, 1), lax.dynamic_slice_in_dim(ss, r, 1),
                        lax.dynamic_slice_in_dim(ll, r, 1))  # fmt: skip
             return lax.dynamic_update_slice_in_dim(out, o, r, axis=0)
 
-        return lax.fori_loop(0, jnp.sum(real.astype(jnp.int32)), token,
-                             jnp.zeros(qq.shape, jnp.float32))  # fmt: skip
+        return lax.fori_loop(0, n, token, jnp.zeros(qq.shape, jnp.float32))
 
     if tp == TB:  # one group (the smallest token bucket): its real tokens alone
         out = single(qg[0], seq_b[0], lim_b[0])[None]
