@@ -140,13 +140,12 @@ def _attention_and_mlp(
         h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
     else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
         x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
-    if ops.fused:  # fused gate|up, as wqkv
-        gate_up = ops.matmul(h, lp["w_gate_up"])
-        gate, up = jnp.split(gate_up, 2, axis=-1)
+    if ops.fused:  # fused gate|up, as wqkv (SwiGLU in its epilogue where Ops can)
+        act = ops.gate_up_act(h, lp["w_gate_up"], x.dtype)
     else:
         gate = ops.matmul(h, lp["w_gate"])
         up = ops.matmul(h, lp["w_up"])
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     if next_norm is not None:
         x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer)
         return x, kv, h_next

@@ -167,6 +167,18 @@ class Ops:
             return matmul(x, w, out_dtype=out_dtype)
         return _xla_matmul(x, w, out_dtype)
 
+    def gate_up_act(self, h: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+        """silu(gate) * up of the fused gate|up projection w [D, 2F]: on Hopper in the invariant
+        modes one Mosaic kernel with SwiGLU in its epilogue (pallas_kernels/swiglu.py: its own
+        bits, the same for every M), elsewhere the projection then XLA's SwiGLU."""
+        if self.invariant:
+            from pallas_kernels import swiglu
+
+            if swiglu.supported(w.shape[0], w.shape[1], w.dtype):
+                return swiglu.matmul_swiglu(h, w, out_dtype)
+        gate, up = jnp.split(self.matmul(h, w), 2, axis=-1)
+        return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(out_dtype)
+
     def row_matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """Row-parallel projection (o_proj, down_proj): the reduction TP splits across devices."""
         if self.row_reduce is not None:

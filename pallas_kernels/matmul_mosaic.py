@@ -195,12 +195,17 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count
 
 
-def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_rows: int):
-    """Work item = (leaf group g, m tile, n tile); group g covers cfg.subtree leaves."""
+def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_rows: int,
+            swiglu: bool = False):  # fmt: skip
+    """Work item = (leaf group g, m tile, n tile); group g covers cfg.subtree leaves.
+
+    `swiglu` (BIO only, pallas_kernels/swiglu.py): b is [K, 2N] = [gate | up]; a work item
+    accumulates gate's and up's columns of its n tile side by side (two accumulators, the same
+    wgmma steps each) and the epilogue writes silu(gate) * up (module `swiglu_epilogue`)."""
     dtype = a_gmem.dtype
     out_dtype = out_gmem.dtype
     k = a_gmem.shape[1]
-    n = b_gmem.shape[1]
+    n = b_gmem.shape[1] // (2 if swiglu else 1)
     leaf_k = k // num_leaves
     sub = cfg.subtree
     num_groups = num_leaves // sub
@@ -223,6 +228,10 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
         plgpu.SwizzleTransform(out_swizzle),
     )
 
+    b_spec = plgpu.BlockSpec(
+        (tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM
+    )
+
     def get_pipeline(pipeline_body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             pipeline_body,
@@ -235,12 +244,8 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
                     transforms=transforms,
                     memory_space=plgpu.SMEM,
                 ),
-                plgpu.BlockSpec(
-                    (tile_k, cta_n),
-                    lambda kk: (kk, 0),
-                    transforms=transforms,
-                    memory_space=plgpu.SMEM,
-                ),
+                b_spec,
+                *([b_spec] if swiglu else []),
             ],
             wg_axis="wg",
             num_compute_wgs=cfg.num_wgs,
@@ -252,7 +257,9 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+            a_gmem, *((b_gmem, b_gmem) if swiglu else (b_gmem,))
+        ),
         out_smem=plgpu.SMEM(
             (cfg.num_wgs, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms
         ),
@@ -279,18 +286,24 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
             def compute_context(eval_pipeline):
                 depth = sub.bit_length() - 1  # live partials of a perfect tree of `sub` leaves
                 scoped = {f"s{i}": plgpu.ACC((tile_m, tile_n), jnp.float32) for i in range(depth)}
+                if swiglu:  # up's accumulator (depth is 0: BIO)
+                    scoped["up"] = plgpu.ACC((tile_m, tile_n), jnp.float32)
 
                 @functools.partial(
                     pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32), **scoped
                 )
                 def _acc_scope(acc_ref, **stack):
                     stack_refs = [stack[f"s{i}"] for i in range(depth)]
-                    eval_pipeline((acc_ref, *stack_refs))
-                    # The last leaf is in acc; all counter bits are set: fold the stack in.
-                    node = acc_ref[...]
-                    for ref in stack_refs:
-                        node = ref[...] + node
-                    out = node.astype(out_dtype)
+                    if swiglu:
+                        eval_pipeline((acc_ref, stack["up"]))
+                        out = swiglu_epilogue(acc_ref[...], stack["up"][...], out_dtype)
+                    else:
+                        eval_pipeline((acc_ref, *stack_refs))
+                        # The last leaf is in acc; all counter bits are set: fold the stack in.
+                        node = acc_ref[...]
+                        for ref in stack_refs:
+                            node = ref[...] + node
+                        out = node.astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for mi in range(tile_m // epi_m):
                         for ni in range(tile_n // epi_n):
@@ -305,9 +318,12 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
                                 out_gmem.at[out_rows, n_slice].at[wg_m, wg_n].at[em, en],
                             )
 
-            def mma_body(idxs, a_smem, b_smem, carry):
+            def mma_body(idxs, a_smem, b_smem, *rest):
+                *up_smem, carry = rest
                 acc_ref, *stack_refs = carry
                 plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_smem.at[:, wg_n])
+                if swiglu:
+                    plgpu.wgmma(stack_refs[0], a_smem.at[wg_m], up_smem[0].at[:, wg_n])
                 plgpu.wgmma_wait(0)
                 if sub > 1:
                     (kk,) = idxs
@@ -327,20 +343,33 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, cfg: MosaicConfig, num_leaves: int, m_r
 
                 return carry
 
+            up = (b_gmem.at[k_slice, pl.ds(n + n_idx * cta_n, cta_n)],) if swiglu else ()
             get_pipeline(mma_body, compute_context)(
                 a_gmem.at[m_slice, k_slice],
                 b_gmem.at[k_slice, n_slice],
+                *up,
                 allocations=pipeline_allocs,
             )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "num_leaves", "cfg"))
-def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: MosaicConfig):
-    """[num_leaves / cfg.subtree, Mp, N] subtree products, Mp = M padded to the CTA rows."""
+def swiglu_epilogue(gate: jax.Array, up: jax.Array, out_dtype) -> jax.Array:
+    """silu(g) * u with g, u the f32 accumulators rounded to out_dtype first (what the unfused
+    path's bf16 gate|up product holds), in f32, rounded once: jdet/model.py's expression, with
+    the sigmoid written as 1 / (1 + exp(-g)) (Mosaic's own lowering of the logistic)."""
+    g = gate.astype(out_dtype).astype(jnp.float32)
+    u = up.astype(out_dtype).astype(jnp.float32)
+    return (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "num_leaves", "cfg", "swiglu"))
+def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: MosaicConfig,
+                   swiglu: bool = False):  # fmt: skip
+    """[num_leaves / cfg.subtree, Mp, N] subtree products, Mp = M padded to the CTA rows (N:
+    half of b's columns with `swiglu`)."""
     m, k = a.shape
-    n = b.shape[1]
+    n = b.shape[1] // (2 if swiglu else 1)
     if (k // num_leaves) % cfg.tile_k:  # a leaf must be whole pipeline steps: 64-wide steps
         cfg = dataclasses.replace(cfg, tile_k=BLOCK_K)
     pad = -m % cfg.cta_m
@@ -349,7 +378,7 @@ def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: 
     mp = m + pad
     groups = num_leaves // cfg.subtree
     f = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, num_leaves=num_leaves, m_rows=mp),
+        functools.partial(_kernel, cfg=cfg, num_leaves=num_leaves, m_rows=mp, swiglu=swiglu),
         out_type=jax.ShapeDtypeStruct((groups * mp, n), out_dtype),
         grid=(_num_sms(),),
         grid_names=("cluster_grid",),
