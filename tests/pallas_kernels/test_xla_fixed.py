@@ -211,6 +211,14 @@ def test_xla_attention_rows_do_not_depend_on_pages_or_padding_and_read_the_stack
         assert_bits_equal(got, attend(w, (q, k_all[layer], v_all[layer], *rest)), f"L{layer}")
 
 
+def test_xla_attention_token_alone_equals_its_group_with_one_kv_head_per_device():
+    """A TP shard's shape (one kv head, G = 2): a token attending alone (a one-group step) holds
+    per-token state of 2 elements where the group's holds 16; the bits are the same."""
+    w = make_world(3, [75], kh=1, h=2, e=64)
+    whole = run_chunked(w, 0, 75, 75)
+    assert_bits_equal(run_chunked(w, 0, 75, 1), whole, "chunk=1, one kv head")
+
+
 def test_negative_control_a_kv_block_chosen_from_the_chunk_changes_the_bits():
     w = make_world(2, [75], kh=2, h=8, e=64)
     whole = run_chunked(w, 0, 75, 75, block_of=lambda n: 16)
