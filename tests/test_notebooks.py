@@ -13,16 +13,17 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# Notebooks 01 and 02 build the same TP 1 engines at the CI scale (the embedded model, one step
-# shape per mode): one xdist worker runs both, 02 after 01, so that 02's 'tp' and 'batch' TP 1
-# steps load from the run's compile cache (tests/conftest.py) instead of compiling beside 01 on
-# the other worker (measured, 02 after 01 with one cache: 47.1 -> 34.5 CPU s).
-SHARED_ENGINES = ("01_nondeterminism.ipynb", "02_tp_invariance.ipynb")
+# Notebooks 01, 02 and 04 build engines of one step shape at the CI scale (the embedded model,
+# T = 16, S = 8, 128 tokens, 64 pages): one xdist worker runs them in that order, so that 02's
+# 'tp' and 'batch' TP 1 steps and 04's T = 16 step load from the run's compile cache
+# (tests/conftest.py) instead of compiling beside 01 on the other worker. Measured with nbclient,
+# one cache, after 01: 02 47.1 -> 34.5 CPU s (2 of its 4 steps loaded), 04 35.3 -> 28.6 (1 of 3).
+SHARED_ENGINES = ("01_nondeterminism.ipynb", "02_tp_invariance.ipynb", "04_serving.ipynb")
 
 
 def _param(path: Path):
     if path.name in SHARED_ENGINES:
-        return pytest.param(path, marks=pytest.mark.xdist_group("notebooks_01_02"))
+        return pytest.param(path, marks=pytest.mark.xdist_group("notebooks_embedded_t16"))
     return path
 
 
