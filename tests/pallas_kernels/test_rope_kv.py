@@ -5,7 +5,8 @@ issue 11) against the XLA path it replaces: jdet/model.py `apply_rope`, jdet/kv_
 CPU: the kernel in interpret mode (conftest sets JDET_PALLAS_INTERPRET=1), bitwise
 (np.array_equal) on the query tiles, the whole K and V caches and the attention output, for the
 fused q|k|v rows, for separate q, k, v and for Qwen3's (normed q|k rows, fused rows), with a
-prefill chunk, decodes and padding tokens (slot -1) in one step; the model's forward with `Ops.rope_kv` on = off. A check that the kernel lowers
+prefill chunk, decodes and padding tokens (slot -1) in one step; the model's forward with
+`Ops.rope_kv` on = off. A check that the kernel lowers
 to a Triton module (exported for 'cuda' on the CPU; ptxas is not run here). Negative controls: a
 kernel writing one slot further, and one RoPE table entry changed, are seen by the same comparisons.
 `gpu`: the compiled kernel against the XLA path, and the model's steps with the flag on vs off.
