@@ -146,9 +146,11 @@ def device_step(runner: Any, batch: int, ctx: int, steps: int, step_fn: Any = No
     if step_fn is not None:
         sb, si = jax.device_put(sb), jax.device_put(si)
     # else the runner's own step (serving/host_inputs.py PackedStep) takes host arrays, as the
-    # engine passes them: it packs them into one host buffer, and given device arrays it copies
-    # each back to the host first, which waits for the previous step (the first row of earlier
-    # runs was 0.03-0.4 ms slower than the same step as a variant row for that reason)
+    # engine passes them (it packs them into one host buffer; device arrays would be copied back
+    # first). Measured on an H100 with host arrays too: this row stays slower than the same step
+    # as a variant row (Qwen3-0.6B 1.83 vs 1.52 ms, Llama-3-8B 6.62 vs 6.56): the packed step
+    # also unpacks its inputs on the device (slices and bitcasts of one word buffer), which the
+    # variant's plain step does not; not investigated further (BENCHMARKS run 11).
 
     def one(sb: Any, si: Any) -> Any:
         runner.kv, out = fn(runner.params, runner.kv, sb, si)
