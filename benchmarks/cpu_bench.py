@@ -85,12 +85,11 @@ marks = []
 mark(marks, "start")
 import gc
 import jdet
-from jdet import exec_cache, step
+from jdet import exec_cache
 from jdet.settings import EngineConfig
 from serving import sampler_variants
 mark(marks, "imports")
 exec_cache.load_on_call(True)
-step.compile_for_latency(True)
 sampler_variants.VARIANTS = sampler_variants.ON_DEMAND
 gc.disable()
 llm = jdet.LLM(None, EngineConfig(compile_cache=False), warmup=False)

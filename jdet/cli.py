@@ -15,8 +15,6 @@ from jdet import spec_config
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
 
-LATENCY_MAX_TOKENS = 256  # `jdet generate` compiles for latency up to this --max-tokens
-
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jdet", description=__doc__.splitlines()[0])
@@ -68,7 +66,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     import gc
 
     import jdet
-    from jdet import exec_cache, step
+    from jdet import exec_cache
     from serving import sampler_variants
 
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
@@ -80,18 +78,16 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # No cyclic GC until the first token: start-up allocates most of the process's objects
     # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
     # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
-    # Its steps are compiled for latency (jdet/step.py CPU_LATENCY_XLA_OPTIONS on a CPU: ~1/3
-    # less compile, ~1.2 CPU s, for a step ~1/4 slower, same bits) up to LATENCY_MAX_TOKENS
-    # tokens, well below where the slower steps would eat the compile's gain (~500 tokens).
-    # (Switched back at the end: `main` also runs inside other processes, e.g. the tests.)
+    # Its steps are compiled with the engine's own XLA options. (Session 9 compiled them "for
+    # latency", XLA's legacy CPU emitters, ~1.2 CPU s less: those give other bits than the
+    # engine's from ~23 tokens on, found in session 10, so a `jdet generate` and a `jdet.LLM`
+    # answered one request with different log-probs. jdet/step.py CPU_LATENCY_XLA_OPTIONS.)
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
     # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded
     # model; a 22-token prompt, load ~6: 10.9 -> 7.2 CPU s). Chunked prefill gives the same bits.
     engine = _one_shape_budget(engine, spec)
     exec_cache.load_on_call(True)
-    latency_was = step.for_latency()
-    step.compile_for_latency(a.max_tokens <= LATENCY_MAX_TOKENS)
     variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, sampler_variants.ON_DEMAND
     gc_was_on = gc.isenabled()
     gc.disable()
@@ -112,7 +108,6 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
         print()
     finally:
         exec_cache.load_on_call(False)
-        step.compile_for_latency(latency_was)
         sampler_variants.VARIANTS = variants
         if gc_was_on:
             gc.enable()

@@ -67,14 +67,13 @@ OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 CPU_XLA_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
 CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
 
-# A process that runs few steps (`jdet generate`: one prompt) compiles its CPU steps for latency
-# (`compile_for_latency`, read by serving/host_inputs.py's packed step, the one the engine
-# compiles; `jit_step(latency=True)`): XLA's legacy elemental emitters instead of its MLIR
-# fusion emitters cut the embedded model's "tp" step compile by ~1/3 (CPU s, load ~6, two runs
-# each: 4.08/4.00 -> 2.70/2.87) and run it ~1/4 slower (per-step CPU 8.6/9.7 -> 12.0/10.0 ms):
-# ~1.2 s off a cold `jdet generate`, ~0.05 s more for its 24 tokens. Same bits
-# (tests/jdet/test_cold_start.py compares generations bitwise; an option set that changes them
-# is seen).
+# Steps compiled "for latency" (`compile_for_latency`, read by serving/host_inputs.py's packed
+# step; `jit_step(latency=True)`): XLA's legacy elemental emitters instead of its MLIR fusion
+# emitters cut the embedded model's "tp" step compile by ~1/3 and run it ~1/4 slower. They do
+# NOT give the same bits: session 9 checked the golden requests (short), but on a 128-token
+# greedy generation of the embedded model the log-probs leave the default-compiled engine's (and
+# score()'s, which runs under its caller's options) from the 23rd token on (session 10). So no
+# entry point uses them any more (`jdet generate` did); kept for benchmarks comparing compiles.
 CPU_LATENCY_XLA_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _for_latency = False
 
@@ -131,7 +130,7 @@ def jit_step(ops: Ops, *, nested: bool = False, latency: bool = False) -> Callab
     function, unsharded (here) or under shard_map (sharding/tp.py). `nested`: the function is
     also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
     so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests).
-    `latency`: on a CPU add `CPU_LATENCY_XLA_OPTIONS` (compile faster, run slower, same bits).
+    `latency`: on a CPU add `CPU_LATENCY_XLA_OPTIONS` (compile faster, run slower, other bits).
     The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
     from pallas_kernels import _platform
 
