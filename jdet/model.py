@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import write_kv
-from jdet.ops import Ops
+from jdet.ops import Ops, swiglu_act
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -146,7 +146,7 @@ def _attention_and_mlp(
     else:
         gate = ops.matmul(h, lp["w_gate"])
         up = ops.matmul(h, lp["w_up"])
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        act = swiglu_act(gate, up, x.dtype)
     if next_norm is not None:
         x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer)
         return x, kv, h_next

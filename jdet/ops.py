@@ -31,6 +31,12 @@ MODES = ("tp", "batch", "none")
 HEAD_NORMS_IN_PLACE = 1
 
 
+def swiglu_act(gate: jax.Array, up: jax.Array, out_dtype: Any) -> jax.Array:
+    """The MLP's activation silu(gate) * up in f32, rounded once to out_dtype (HF's order):
+    the model's unfused projections and `Ops.gate_up_act`'s fallback share it."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(out_dtype)
+
+
 def check_mode(invariance: str) -> str:
     if invariance not in MODES:
         raise ValueError(f"invariance={invariance!r} is not a mode; use one of {MODES}")
@@ -177,7 +183,7 @@ class Ops:
             if swiglu.supported(w.shape[0], w.shape[1], w.dtype):
                 return swiglu.matmul_swiglu(h, w, out_dtype)
         gate, up = jnp.split(self.matmul(h, w), 2, axis=-1)
-        return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(out_dtype)
+        return swiglu_act(gate, up, out_dtype)
 
     def row_matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """Row-parallel projection (o_proj, down_proj): the reduction TP splits across devices."""
