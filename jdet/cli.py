@@ -78,10 +78,8 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # No cyclic GC until the first token: start-up allocates most of the process's objects
     # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
     # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
-    # Its steps are compiled with the engine's own XLA options. (Session 9 compiled them "for
-    # latency", XLA's legacy CPU emitters, ~1.2 CPU s less: those give other bits than the
-    # engine's from ~23 tokens on, found in session 10, so a `jdet generate` and a `jdet.LLM`
-    # answered one request with different log-probs. jdet/step.py CPU_LATENCY_XLA_OPTIONS.)
+    # Its steps are compiled with the engine's own XLA options: a faster-compiling option set
+    # gave other log-probs (jdet/step.py, above `_parse_options`).
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
     # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded

@@ -163,8 +163,8 @@ class CachedFn:
         if sig in self._exes:
             return "memory"
         t0 = time.perf_counter()
-        # the function's XLA options (jdet/step.py jit_step): a latency-compiled step (jdet
-        # generate's) is another executable than an engine's, with the same bits
+        # the function's XLA options (jdet/step.py jit_step): another option set, another
+        # executable
         static = {**self.static, "xla_options": getattr(self.fn, "jdet_xla_options", None)}
         parts = key_parts(self.name, static, self.devices, args)
         path = self.directory / (entry_key(parts) + SUFFIX)

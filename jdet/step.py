@@ -67,27 +67,11 @@ OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 CPU_XLA_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
 CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
 
-# Steps compiled "for latency" (`compile_for_latency`, read by serving/host_inputs.py's packed
-# step; `jit_step(latency=True)`): XLA's legacy elemental emitters instead of its MLIR fusion
-# emitters cut the embedded model's "tp" step compile by ~1/3 and run it ~1/4 slower. They do
-# NOT give the same bits: session 9 checked the golden requests (short), but on a 128-token
-# greedy generation of the embedded model the log-probs leave the default-compiled engine's (and
-# score()'s, which runs under its caller's options) from the 23rd token on (session 10). So no
-# entry point uses them any more (`jdet generate` did); kept for benchmarks comparing compiles.
-CPU_LATENCY_XLA_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-_for_latency = False
-
-
-def compile_for_latency(on: bool = True) -> None:
-    """Process-wide: engines' steps made from now on (on a CPU) add `CPU_LATENCY_XLA_OPTIONS`.
-    The packed step's cache is keyed by it (`for_latency`), so engines made before or after
-    keep theirs."""
-    global _for_latency
-    _for_latency = on
-
-
-def for_latency() -> bool:
-    return _for_latency
+# No XLA option that changes a step's bits may be set here: score functions run under their
+# caller's options (jdet.train nests them), so the sampler and score() would part. XLA's legacy CPU
+# emitters (`xla_cpu_use_fusion_emitters=False`, ~1/3 less compile) are such an option: session 9
+# compiled `jdet generate`'s steps with them, and its log-probs left an engine's after ~23 tokens
+# of a 128-token greedy run (found and removed in session 10).
 
 
 def _parse_options(env: str) -> dict:
@@ -125,19 +109,15 @@ def xla_options(ops: Ops) -> dict:
     return dict(NONE_GPU_XLA_OPTIONS) if env is None else _parse_options(env)
 
 
-def jit_step(ops: Ops, *, nested: bool = False, latency: bool = False) -> Callable:
+def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
     """jax.jit with the cache (argument 1) donated and `xla_options(ops)`: every step and score
     function, unsharded (here) or under shard_map (sharding/tp.py). `nested`: the function is
     also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
     so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests).
-    `latency`: on a CPU add `CPU_LATENCY_XLA_OPTIONS` (compile faster, run slower, other bits).
     The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
     from pallas_kernels import _platform
 
-    cpu = _platform.platform() == "cpu"
-    opts = {} if nested and cpu else xla_options(ops)
-    if latency and cpu and not nested:
-        opts = {**opts, **CPU_LATENCY_XLA_OPTIONS}
+    opts = {} if nested and _platform.platform() == "cpu" else xla_options(ops)
 
     def jit(fn: Callable) -> Callable:
         jitted = jax.jit(fn, donate_argnums=(1,), **({"compiler_options": opts} if opts else {}))

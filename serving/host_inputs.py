@@ -150,22 +150,20 @@ def packed(step: Callable, jit: Callable) -> Callable:
 
 
 def packed_step_fn(step: Callable, invariance: str) -> Callable:
-    """`packed(step, its own jit)`, one per (jitted step, mode, jdet.step.for_latency()): the
+    """`packed(step, its own jit)`, one per (jitted step, mode): the
     steps are cached per (config, Ops) (jdet/step.py, sharding/tp.py), so every engine on a model
     shares this one function and its compiled shapes, as it shared the plain step's (a new
     wrapper per engine re-traced every shape: ~1.3 CPU s per engine of the embedded model)."""
-    from jdet.step import for_latency
-
-    return _packed_step_fn(step, invariance, for_latency())
+    return _packed_step_fn(step, invariance)
 
 
 @functools.cache
-def _packed_step_fn(step: Callable, invariance: str, latency: bool) -> Callable:
+def _packed_step_fn(step: Callable, invariance: str) -> Callable:
     from jdet.ops import Ops
     from jdet.step import jit_step
 
-    # the step's own jit: its XLA options depend on the mode, platform and `latency` only
-    return packed(step, jit_step(Ops(invariance=invariance), latency=latency))
+    # the step's own jit: its XLA options depend on the mode and platform only
+    return packed(step, jit_step(Ops(invariance=invariance)))
 
 
 class PackedStep:

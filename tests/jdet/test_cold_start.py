@@ -108,22 +108,6 @@ def test_the_cli_path_does_not_import_the_mosaic_gpu_kernels_off_a_gpu():
         assert rows == [5, 5, 5] and imported == [], (rows, imported)
 
 
-def test_generate_compiles_its_steps_with_the_engines_options(monkeypatch, capsys):
-    """`jdet generate` answers with an engine's bits: its steps are compiled with the engine's
-    XLA options. Session 9 compiled them "for latency" (jdet/step.py CPU_LATENCY_XLA_OPTIONS, XLA's
-    legacy CPU emitters), which a check on the short golden requests passed, but whose log-probs
-    leave the engine's from ~23 tokens on (a 128-token greedy run of the embedded model, session
-    10). Fails if the CLI switches the latency compile on again."""
-    from jdet import step
-    from jdet.cli import main
-
-    calls = []
-    monkeypatch.setattr(step, "compile_for_latency", lambda on=True: calls.append(on))
-    assert main(["generate", "Return a list of", "--max-tokens", "2", "--invariance", "none"]) == 0
-    assert capsys.readouterr().out.startswith("Return a list of")
-    assert not any(calls) and not step.for_latency(), calls
-
-
 def test_generate_prefills_in_decode_sized_chunks_on_a_cpu_unless_told_otherwise():
     """`jdet generate` on a CPU runs one step shape: the prompt in chunks of the smallest token
     bucket (chunked prefill has the same bits: tests/jdet/test_invariance.py), unless the budget
