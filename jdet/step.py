@@ -49,6 +49,16 @@ def score_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None)
     return body
 
 
+def logits_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
+    """step_body without the sampler: (params, kv, batch) -> (kv, f32 logits [N, V]). A CPU
+    engine runs it and the sampler as two executables (serving/host_inputs.py `SplitStep`)."""
+
+    def body(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
+        return _logits(params, cfg, kv, batch, ops, gather_vocab)
+
+    return body
+
+
 def _logits(params, cfg, kv, batch, ops, gather_vocab):
     kv, logits = forward(params, cfg, kv, batch, ops)  # unsharded [N, V]; under TP [N, V_pad/tp]
     if gather_vocab is not None:  # a copy (exact); the padded columns are sliced off

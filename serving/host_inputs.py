@@ -58,9 +58,10 @@ class Layout:
             w = lax.slice(words, (offset,), (offset + n,))
             got[owner][name] = lax.bitcast_convert_type(w, jnp.dtype(dtype)).reshape(shape)
             offset += n
-        batch = dataclasses.replace(batch, **got["b"])
+        if batch is not None:  # None: the caller wants the sampling fields only (SplitStep)
+            batch = dataclasses.replace(batch, **got["b"])
         inputs = _inputs(sampling)
-        if got["s"]:
+        if got["s"] and inputs is not None:
             sampling = _with_inputs(sampling, dataclasses.replace(inputs, **got["s"]))
         return batch, sampling
 
@@ -187,3 +188,104 @@ class PackedStep:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.fn, attr)
+
+
+def split_step_fn(cfg: Any, invariance: str, mesh: Any = None) -> tuple[Callable, Callable]:
+    """A CPU engine's step as two executables, (forward, sampler), one pair per (config, mode):
+    forward(params, kv, batch, words, layout) -> (kv, f32 logits [N, V]) (the KV cache donated)
+    and sampler(logits, sampling, words, layout) -> SampleOut. `SplitStep` runs them in turn.
+
+    Why: on a CPU the full sampler is about half of a step's compile (the tests' tiny Qwen3,
+    N = 8, V = 320, "tp": the sampler alone compiles in ~2.1 CPU s, the whole step in ~4-5; XLA
+    CPU emits each fusion as its own LLVM module, and the Gumbel draw, top-k/top-p filter and top
+    log-probs are many), and in one step program it was compiled again for every step shape
+    (T, S, Pmax) and sampler variant. Apart, one forward serves every variant of a shape, one
+    sampler every shape of the same rows N, vocabulary and variant, and XLA's persistent cache
+    shares both between processes. Warm-up of the embedded model's 7 step shapes (jdet.LLM,
+    "tp", load ~7 on the 2-core box): 47 s as one program, 23 s split. Same bits: the logits
+    are the same f32 array either way (the forward ends in the lm_head matmul's f32 sums), and
+    the sampler is the same function of them (`jdet.step.step_body`'s `sample`), compiled with
+    the step's XLA options (tests/jdet/test_golden.py unchanged, TP 1 and 2). `mesh`: the TP
+    runtime's (sharding/tp.py): the forward runs under shard_map and returns the gathered logits
+    replicated; the sampler runs on them as it ran per device inside the shard_map."""
+    return _split_step_fn(cfg, invariance, mesh)
+
+
+@functools.cache
+def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Callable]:
+    from jdet.sampling import sample
+    from jdet.step import jit_step, logits_body, xla_options
+
+    if mesh is None:
+        from jdet.ops import Ops
+
+        ops = Ops(invariance=invariance)
+        forward = logits_body(cfg, ops)
+    else:
+        from sharding.tp import tp_logits_body
+
+        forward, ops = tp_logits_body(cfg, invariance, mesh)
+
+    @jit_step(ops)
+    def step(params: Any, kv: Any, batch: Any, words: Any, layout: Layout) -> Any:
+        # named `step`: compile_cache.traced() and the logs count it as the step
+        batch, _ = layout.unpack(words, batch, None)
+        return forward(params, kv, batch)
+
+    opts = xla_options(ops)
+
+    @functools.partial(jax.jit, **({"compiler_options": opts} if opts else {}))
+    def sampler(logits: Any, sampling: Any, words: Any, layout: Layout) -> Any:
+        _, sampling = layout.unpack(words, None, sampling)
+        return sample(logits, sampling, ops)
+
+    return step, sampler
+
+
+def split_step_here() -> bool:
+    """Whether an engine's own step runs as `SplitStep`: on a CPU backend. A GPU keeps one
+    program: its sampler compiles once per shape at warm-up anyway, and a second launch per
+    step would cost host and device time."""
+    from pallas_kernels import _platform
+
+    return _platform.platform() == "cpu"
+
+
+@functools.cache
+def _sampling_layout(layout: Layout) -> tuple[int, Layout]:
+    """(where the sampling fields start in `layout`'s words, their own Layout): they come last
+    (`pack`), so the sampler is given a view of the words' tail, whose size is N's alone."""
+    start = sum(int(np.prod(shape, dtype=np.int64)) for o, _, shape, _ in layout.fields
+                if o == "b")  # fmt: skip
+    own = Layout(tuple(f for f in layout.fields if f[0] == "s"))
+    if layout.fields[: len(layout.fields) - len(own.fields)] + own.fields != layout.fields:
+        raise AssertionError("pack() no longer puts the sampling fields last")
+    return start, own
+
+
+class SplitStep(PackedStep):
+    """`PackedStep` over `split_step_fn`'s pair: the forward (`fn`, possibly behind jdet's
+    executable cache; what `warm` and `lower` see) given the packed words, then the sampler
+    given their sampling tail. Batch-1 greedy decode of the embedded model, the two in one
+    process alternating (load ~7): 168.6 tok/s split, 167.7 as one program (median of 8), the
+    same bits."""
+
+    def __init__(self, fn: Callable, sampler: Callable) -> None:
+        self.fn = fn
+        self.sampler = sampler
+
+    def __call__(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
+        batch, sampling, words, layout = pack(batch, sampling)
+        kv, logits = self.fn(params, kv, batch, words, layout)
+        start, own = _sampling_layout(layout)  # the sampler's words only: its key has no T, P
+        return kv, self.sampler(logits, sampling, words[start:], own)
+
+    def warm(self, params: Any, kv: Any, batch: Any, sampling: Any) -> str | None:
+        from jdet import exec_cache
+
+        batch, _, words, layout = pack(batch, sampling)
+        return exec_cache.prepare(self.fn, params, kv, batch, words, layout)
+
+    def lower(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
+        batch, _, words, layout = pack(batch, sampling)
+        return self.fn.lower(params, kv, batch, words, layout)

@@ -117,10 +117,14 @@ class ModelRunner:
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/host_inputs.py says why)
-            from serving.host_inputs import PackedStep, packed_step_fn
+            from serving import host_inputs as hi
 
-            run = packed_step_fn(self.step_fn, invariance)
-            self.step_fn = PackedStep(self._exec_cached(run, "step"))
+            if hi.split_step_here():  # a CPU: the forward, then the sampler
+                forward, sampler = hi.split_step_fn(self.cfg, invariance, self._mesh)
+                self.step_fn = hi.SplitStep(self._exec_cached(forward, "forward"), sampler)
+            else:
+                run = hi.packed_step_fn(self.step_fn, invariance)
+                self.step_fn = hi.PackedStep(self._exec_cached(run, "step"))
 
     def score_step(self) -> Callable:
         """The teacher-forced score function matching this runner's step."""

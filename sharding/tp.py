@@ -38,7 +38,7 @@ from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
-from jdet.step import jit_step, score_body, step_body
+from jdet.step import jit_step, logits_body, score_body, step_body
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
 from sharding.specs import (
     check_heads,
@@ -151,6 +151,22 @@ def make_tp_step(
         return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, sampling)
 
     return step
+
+
+def tp_logits_body(
+    cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh, **ops_kw: Any
+) -> tuple[Callable, Ops]:
+    """make_tp_step's forward without the sampler, not jitted: ((params, kv, batch) -> (kv,
+    f32 logits [N, V] replicated), its Ops). A CPU engine jits it and runs the sampler apart
+    (serving/host_inputs.py `SplitStep`)."""
+    check_heads(cfg, tp_size(mesh))
+    ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
+    body = logits_body(cfg, ops, _gather_vocab)
+
+    def forward(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
+        return _wrap(cfg, mesh, params, kv, body, 0)(params, kv, batch)
+
+    return forward, ops
 
 
 @functools.cache  # one compile cache per (config, mode, mesh): engines share it
