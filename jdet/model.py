@@ -116,8 +116,8 @@ def layer_forward(
         q, kv = ops.rope_kv_write(qkv_rows if plain else (q, k, v), cos, sin, kv, layer, batch,
                                   attn_meta, q.shape[1])  # fmt: skip
     else:
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = ops.rope(q, cos, sin)
+        k = ops.rope(k, cos, sin)
         kv = {
             "k": write_kv(kv["k"], layer, k, batch.slot_mapping),
             "v": write_kv(kv["v"], layer, v, batch.slot_mapping),

@@ -226,6 +226,22 @@ class Ops:
 
         return resolve_backend(None) == "mosaic"
 
+    # -- position encoding ------------------------------------------------------------------------
+    def rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """RoPE of x[T, n, E] by the step's cos, sin [T, E] (jdet/model.py `apply_rope`). On the
+        CPU's fixed-order path (invariant modes) `xla_fixed.rope`: the same f32 expression with
+        exact partial products, whose bits no FMA contraction can change, so they do not depend
+        on the shape XLA compiles the step for (a 1-token step's RoPE rounded otherwise)."""
+        from pallas_kernels import _platform
+
+        if self.invariant and _platform.xla_fixed_default():
+            from pallas_kernels import xla_fixed
+
+            return xla_fixed.rope(x, cos, sin)
+        from jdet.model import apply_rope
+
+        return apply_rope(x, cos, sin)
+
     # -- attention over the paged cache ---------------------------------------------------------
     def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:
         """The Pallas kernel's KV partition, or None where XLA's gather attention runs."""

@@ -28,11 +28,17 @@ Reduction plans (each a function of model shapes only):
   [BM, leaf_k] x [leaf_k, BN] in f32, and the leaves combine in the fixed binary tree of
   `combine_tree` (0+1, 2+3, ..., lower K on the left). A TP shard holds whole leaves of the same
   shape, so its result is exactly that subtree, and the tree all-reduce finishes the same tree.
-- `rms_norm`: x^2 is formed in f32 behind an optimization barrier (so no FMA contraction can fuse
-  it into the adds), then summed over D by a halving tree (x[:h] + x[h:], D zero-padded to a power
-  of two): element-wise adds only, each element computed the same way whatever T is.
+- `rms_norm`: x^2 is formed in f32, then summed over D by a halving tree (x[:h] + x[h:], D
+  zero-padded to a power of two): element-wise adds only, each element computed the same way
+  whatever T is. The tree's first level adds two squares, where an FMA contraction could fuse
+  one (below, "FMA contraction"): the optimization barrier on x^2 does not prevent it (XLA CPU
+  drops it before fusion: the head norms' first level fuses with the squares), but the square of
+  a 16-bit float is exact in f32, so no contraction can change it. Not so for f32 activations.
 - `logsumexp` / `log_softmax`: the row max (exact in any order), then exp(x - max) summed by the
   same halving tree over V; lse = max + log(sum).
+- `rope`: RoPE's x*cos + rotate_half(x)*sin in f32 with every product exact (module section
+  "FMA contraction" below), so that no fused multiply-add XLA's LLVM backend may form changes a
+  bit: the value of the plain f32 expression, rounded once per product and once per sum.
 - `paged_attention`: KV positions cut into blocks of block_kv tokens aligned to position 0
   (`default_block_kv(partition_size, page_size)`, as the Pallas plan), folded in increasing order
   with the online-softmax rule from the sentinel (m, l, acc) = (-inf, 0, 0). Per query token (the
@@ -54,6 +60,23 @@ Reduction plans (each a function of model shapes only):
   and no slower for a step of 8 real tokens). Dots are per query head, not per kv head
   ([G, E] x [E, block_kv]): G differs between TP sizes when kv heads are replicated, and a dot of
   another shape may round differently (TP=8 disagreed with TP=1 on the tiny test model).
+
+FMA contraction (issue 17: a T < 8 bucket left score()'s bits). XLA's CPU backend compiles with
+LLVM's fp-contract=fast: a multiply feeding an add in one fusion may become a fused multiply-add,
+which rounds once where the plain expression rounds twice. Where an add has two products as
+operands (RoPE's x*cos + rot*sin), LLVM fuses one of them, and which one follows the code it
+generates for the fusion, so the same expression compiled into another shape may round otherwise.
+Measured on the embedded model (session 10's repro, layer 2 at position 37): in an 8-row step the
+query's RoPE (vectorised, sincosf) gave fma(x, cos, round(rot*sin)); in a 1-row step, where the
+fusion also pads the query to 8 rows and was compiled to a scalar loop (cosf, sinf), it gave
+another rounding, one bf16 ulp apart in one head, and decode left score() from output 23 on.
+`lax.optimization_barrier` does not stop it (XLA removes barriers before fusion). What does: a
+product whose value is exact needs no rounding, so fusing it into an add changes nothing. `rope`
+cuts cos and sin into a high part of 8 significant bits and the exact rest (<= 16 bits), and x
+into 8-bit parts (one for bf16): every partial product then has <= 24 significant bits, exact
+in f32, and x*cos_hi + x*cos_lo rounds once, to the f32 product x*cos. The step's optimized HLO
+at T = 1, 8 and 16 (embedded model) has no other add of two products but rms_norm's first level
+(exact squares for 16-bit activations, above); an add of one product contracts alike anywhere.
 """
 
 from __future__ import annotations
@@ -181,6 +204,44 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
     inv = 1.0 / jnp.sqrt(tree_sum(sq) / d + eps)
     normed = (x32 * inv[:, None]).astype(x.dtype)
     return (w.astype(x.dtype).astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+
+
+def _hi8(x: jax.Array) -> jax.Array:
+    """f32 x truncated to its 8 leading significant bits (bf16's): x - _hi8(x) is exact."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@jax.jit
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x[T, n, E] rotated with Hugging Face's rotate-half convention by cos, sin [T, E] (f32),
+    rounded to x's dtype: jdet/model.py `apply_rope`'s f32 expression x*cos + rot*sin with each
+    product and the sum rounded once, computed so that no FMA contraction can change a bit
+    (module docstring, "FMA contraction"): x in parts of 8 significant bits (one for bf16),
+    cos and sin as hi + lo (8 + 16 bits), every partial product exact. For bf16 (and, measured,
+    f16) x the result is bitwise the plain expression's; for f32 x, whose parts' products are
+    each rounded, it can differ from it in the last bit, but still not by shape."""
+    xf = x.astype(jnp.float32)
+    parts = []
+    for _ in range(-(-(jnp.finfo(x.dtype).nmant + 1) // 8) - 1):  # bf16: 1 part, f16 2, f32 3
+        hi = _hi8(xf)
+        parts.append(hi)
+        xf = xf - hi  # exact
+    parts.append(xf)
+    half = x.shape[-1] // 2
+
+    def times(t: jax.Array, rotate: bool) -> jax.Array:  # sum over the parts of part * t
+        t_hi = _hi8(t)
+        t_hi, t_lo = t_hi[:, None, :], (t - t_hi)[:, None, :]  # t - t_hi: exact
+        out = None
+        for p in parts:
+            if rotate:
+                p = jnp.concatenate([-p[..., half:], p[..., :half]], axis=-1)
+            prod = p * t_hi + p * t_lo  # two exact products, one rounding: round(p * t)
+            out = prod if out is None else out + prod
+        return out
+
+    return (times(cos, False) + times(sin, True)).astype(x.dtype)
 
 
 def _row_lse(x: jax.Array) -> jax.Array:
