@@ -308,23 +308,25 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             save()
-        if mode == "tp" and a.variants:
+        # a variant is "tp" unless it names its mode first ("none:jdet.model.X=0")
+        mine = [v for v in a.variants if (v.split(":")[0] if ":" in v else "tp") == mode]
+        if mine:
             from sharding.mesh import make_tp_mesh
             from sharding.tp import make_tp_step
 
             mesh = make_tp_mesh(1)
-            for v in a.variants:
+            for v in mine:
                 ctx = min(a.ctx)
                 try:
-                    fields = parse_variant(v)
+                    fields = parse_variant(v.split(":")[-1])
                     knobs = {k: fields.pop(k) for k in list(fields) if "." in k}
                     t0 = time.perf_counter()
                     with module_knobs(knobs):
                         # a knob is not part of make_tp_step's cache key: compile afresh
                         make = make_tp_step.__wrapped__ if knobs else make_tp_step
-                        fn = make(model.cfg, "tp", mesh, **fields)
+                        fn = make(model.cfg, mode, mesh, **fields)
                         dev = device_step(runner, 1, ctx, a.steps, step_fn=fn)
-                    row = row_for(model, "tp", 1, ctx, dev, ceil)
+                    row = row_for(model, mode, 1, ctx, dev, ceil)
                     row["compile_and_time_s"] = time.perf_counter() - t0
                 except Exception:  # noqa: BLE001
                     row = {"error": traceback.format_exc()[-2000:]}
@@ -467,7 +469,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--pad-tokens", default="", help="batch-1 rows with T padded to these counts "
                    "(the engine pads T to its token bucket, min_tokens_bucket)")  # fmt: skip
-    p.add_argument("--variants", default="", help="'tp' Ops settings to compare, comma-separated "
+    p.add_argument("--variants", default="", help="'tp' Ops settings to compare (a 'none:' prefix: "
+                   "that mode's), comma-separated "
                    "('attn_partition=128,attn_partition=512')")  # fmt: skip
     p.add_argument("--kernels", default="", help="shapes whose single-layer kernels to time")
     p.add_argument("--torch", default="", help="shapes for the PyTorch bar (ctx 1k)")
