@@ -1,9 +1,11 @@
 """Batch-invariant RMSNorm: y = w * (x * rsqrt(mean(x^2) + eps)), one row per program.
 
 Reduction plan: each program owns one row. It walks the hidden dim in fixed blocks of block_d
-lanes (block_d a function of D only), accumulating x^2 lane-wise in f32, then sums the block_d
-lanes with one fixed-shape reduction. Nothing depends on the number of rows T, so row i is bitwise
-the same for any T. Rounding follows Hugging Face (Llama/Qwen): the normalised row is rounded to
+lanes (block_d a function of D only: D rounded up to a power of two, at most MAX_BLOCK_D),
+accumulating x^2 lane-wise in f32, then sums the block_d lanes with one fixed-shape reduction
+over `warps_for(block_d)` warps (a function of D only too). A row of at most MAX_BLOCK_D lanes is
+one block, held in registers between the sum and the output. Nothing depends on the number of
+rows T, so row i is bitwise the same for any T. Rounding follows Hugging Face (Llama/Qwen): the normalised row is rounded to
 x.dtype before the multiply by the weight, which is done in x.dtype.
 
 One kernel for every GPU: Triton (RMSNorm is memory-bound; a row per program already streams at
@@ -32,9 +34,25 @@ def _load(ref, mask, other):
     return pltriton.load(ref, mask=mask, other=other)
 
 
+# The widest block of lanes a program loads at once. Rows up to this wide are one block: loaded
+# once, squared and summed by one fixed-shape reduction, normalised from registers. Why 8192 and
+# not the former 1024: a 4096-wide row (8B models) took 4 dependent load steps per pass and two
+# passes (the second re-reading x and, in add_rms_norm, every f32 part), a chain of ~8 memory
+# latencies in a one-row program (add_rms_norm ~4.8 us a call on an H100 at batch 1, two calls
+# a layer). A plan choice: 1024 restores the former bits for D > 1024 (D <= 1024 is unchanged).
+MAX_BLOCK_D = 8192
+
+
 def block_d_for(d: int) -> int:
     """Lanes per step over the hidden dim: a function of D only."""
-    return min(1 << max(0, (d - 1).bit_length()), 1024)
+    return min(1 << max(0, (d - 1).bit_length()), MAX_BLOCK_D)
+
+
+def warps_for(block_d: int) -> int:
+    """Triton warps of a norm program (a function of D only, through block_d: the lanes' sum is
+    reduced across them, so the warp count is part of the reduction plan): 4 up to 1024 lanes
+    (the former plan), 8 above (a 4096-lane row and G f32 parts held in registers)."""
+    return 4 if block_d <= 1024 else 8
 
 
 def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int, int] = (0, 0)):
@@ -64,12 +82,8 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int
         x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
         return acc + x * x
 
-    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
-    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
-
-    def out_body(i, carry):
+    def out_block(i, x, inv):
         idx, mask = lanes(i)
-        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
         w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
         if q_heads:
             wk = _load(wk_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
@@ -79,6 +93,18 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int
         # bitwise a native x.dtype multiply (HF's `weight * hidden.to(dtype)`), on every backend.
         y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
         pltriton.store(o_ref.at[idx], y, mask=mask)
+
+    if steps == 1:  # one block: the row stays in registers (0 + x*x == x*x: the loop's bits)
+        idx, mask = lanes(0)
+        x = _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32)
+        out_block(0, x, 1.0 / jnp.sqrt(jnp.sum(x * x) / d + eps))
+        return
+    ss = lax.fori_loop(0, steps, sq_body, jnp.zeros((block_d,), jnp.float32))
+    inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
+
+    def out_body(i, carry):
+        idx, mask = lanes(i)
+        out_block(i, _load(x_ref.at[idx], mask, 0.0).astype(jnp.float32), inv)
         return carry
 
     lax.fori_loop(0, steps, out_body, 0)
@@ -119,7 +145,8 @@ def _rms_norm_pallas(
     t, d = x.shape
     block_d = block_d_for(d)
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d),
+                                                            num_stages=1)  # fmt: skip
     stacked = layer is not None
     operands = [x, w]
     in_specs = [
@@ -178,7 +205,8 @@ def _head_rms_norm_pallas(flat, q_w, k_w, eps: float, layer, *, tokens: int, q_h
     nh = q_heads + 2 * kv_heads
     per = q_heads + kv_heads
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d_for(e)),
+                                                            num_stages=1)  # fmt: skip
     kernel = functools.partial(
         _rms_kernel, eps=eps, block_d=block_d_for(e), stacked=True, heads=(q_heads, kv_heads)
     )
@@ -221,6 +249,19 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
         r = (x.astype(jnp.float32) + o.astype(jnp.float32)).astype(x.dtype)
         return idx, mask, r
 
+    def out_block(idx, mask, r, inv):
+        w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
+        normed = (r.astype(jnp.float32) * inv).astype(o_ref.dtype)
+        y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[idx], y, mask=mask)
+
+    if steps == 1:  # one block: r stays in registers (0 + r*r == r*r: the loop's bits)
+        idx, mask, r = resid(0)
+        pltriton.store(r_ref.at[idx], r, mask=mask)
+        rf = r.astype(jnp.float32)
+        out_block(idx, mask, r, 1.0 / jnp.sqrt(jnp.sum(rf * rf) / d + eps))
+        return
+
     def sq_body(i, acc):
         idx, mask, r = resid(i)
         pltriton.store(r_ref.at[idx], r, mask=mask)
@@ -231,11 +272,7 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
     inv = 1.0 / jnp.sqrt(jnp.sum(ss) / d + eps)
 
     def out_body(i, carry):
-        idx, mask, r = resid(i)  # recomputed (same bits), not re-read from r_ref
-        w = _load(w_ref.at[idx + w_off], mask, 0.0).astype(o_ref.dtype)
-        normed = (r.astype(jnp.float32) * inv).astype(o_ref.dtype)
-        y = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(o_ref.dtype)
-        pltriton.store(o_ref.at[idx], y, mask=mask)
+        out_block(*resid(i), inv)  # recomputed (same bits), not re-read from r_ref
         return carry
 
     lax.fori_loop(0, steps, out_body, 0)
@@ -268,7 +305,8 @@ def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
     t, d = x.shape
     groups = parts.shape[0]
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d_for(d)),
+                                                            num_stages=1)  # fmt: skip
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     flat = parts.reshape(-1)
     kernel = functools.partial(
