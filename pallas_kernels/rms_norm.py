@@ -5,8 +5,8 @@ lanes (block_d a function of D only: D rounded up to a power of two, at most MAX
 accumulating x^2 lane-wise in f32, then sums the block_d lanes with one fixed-shape reduction
 over `warps_for(block_d)` warps (a function of D only too). A row of at most MAX_BLOCK_D lanes is
 one block, held in registers between the sum and the output. Nothing depends on the number of
-rows T, so row i is bitwise the same for any T. Rounding follows Hugging Face (Llama/Qwen): the normalised row is rounded to
-x.dtype before the multiply by the weight, which is done in x.dtype.
+rows T, so row i is bitwise the same for any T. Rounding follows Hugging Face (Llama/Qwen): the
+normalised row is rounded to x.dtype before the multiply by the weight, which is done in x.dtype.
 
 One kernel for every GPU: Triton (RMSNorm is memory-bound; a row per program already streams at
 copy speed, so Hopper needs no Mosaic version). On a CPU `xla_fixed.rms_norm` (a halving tree
