@@ -213,6 +213,7 @@ def batch_dependent_none(monkeypatch):
         return
     import jdet.ops
     import jdet.step
+    import serving.host_inputs
 
     original = jdet.ops.Ops.attention
 
@@ -231,3 +232,6 @@ def batch_dependent_none(monkeypatch):
     )  # fmt: skip
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
+    # a CPU engine's step is a forward and a sampler (serving/host_inputs.py), cached apart
+    monkeypatch.setattr(serving.host_inputs, "_split_step_fn",
+                        serving.host_inputs._split_step_fn.__wrapped__)  # fmt: skip
