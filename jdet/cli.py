@@ -144,8 +144,10 @@ def _one_shape_budget(engine: EngineConfig, spec: object) -> EngineConfig:
         return engine
     from serving.shapes import default_min_tokens_bucket
 
+    # min_tokens_bucket pinned too: no 1-token decode bucket (serving/shapes.py
+    # `single_token_bucket`), whose compile would cost the one-shot run more than it saves
     budget = engine.min_tokens_bucket or default_min_tokens_bucket()
-    return dataclasses.replace(engine, max_num_batched_tokens=budget)
+    return dataclasses.replace(engine, max_num_batched_tokens=budget, min_tokens_bucket=budget)
 
 
 if __name__ == "__main__":

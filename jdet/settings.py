@@ -47,7 +47,8 @@ class EngineConfig:
     )  # fmt: skip
     min_tokens_bucket: int | None = _opt(
         None, "smallest padded token count (default: 8 on a CPU, the rows of its fixed-shape "
-        "dots, 16 elsewhere; raise it: fewer compiles)",
+        "dots, with a 1-token bucket below it for batch-1 decode; 16 elsewhere; set it: no "
+        "1-token bucket; raise it: fewer compiles)",
     )  # fmt: skip
     min_seqs_bucket: int = _opt(1, "smallest padded sequence count")
     min_pages_bucket: int = _opt(32, "smallest padded page-table width")

@@ -18,7 +18,11 @@ compared with np.array_equal against the rows of the M=512 product, M in {1,2,3,
   blocks of BM rows (`lax.map`, one block per iteration) and N into blocks of BN columns (a batch
   dimension of `dot_general`), so that every dot XLA runs has the one shape [BM, Kd] x [Kd, BN]
   with Kd fixed by the weight. M and N then only choose how many identical dots run.
-So that is the rule here: a dot's shape never depends on M, N or the batch.
+So that is the rule here: a dot's shape never depends on M, N or the batch, with one measured
+exception (`row_block`, issue 17): a product of 1-4 rows (a decode step of 1-4 tokens) runs
+[2 or 4, Kd] x [Kd, BN] dots, whose rows XLA CPU computes as the BM-row dot computes them
+(tests/pallas_kernels/test_xla_fixed_row_blocks.py; a 1-row dot is the matrix-vector path and is
+never used). A 1-token decode then does a quarter of the 8-row block's dot work.
 
 Reduction plans (each a function of model shapes only):
 - `matmul` (BIO): every [BM, K] x [K, BN] block is one dot over the whole K (XLA's own order for
@@ -93,6 +97,21 @@ from pallas_kernels.xla_blocked import BlockedWeight, blocked_products
 
 # Rows of every matmul dot. Fixed: it is part of the plan (changing it may change bits).
 BM = 8
+# Row blocks for a product of fewer than BM rows (a decode step of 1-4 tokens): `row_block`.
+# XLA CPU's [m, K] x [K, BN] dot gives every row the bits of the same row of the BM-row dot for
+# m = 2..7 (benchmarks/row_block_probe.py, at every K probed; tests/pallas_kernels/
+# test_xla_fixed_row_blocks.py checks model shapes), but not for m = 1 (a matrix-vector path,
+# other bits for K >= 384): a 1-row product pads to 2 rows. 0 turns them off (BM rows always).
+SMALL_ROW_BLOCKS = 1
+
+
+def row_block(m: int) -> int:
+    """Rows of each dot of an [m, K] product: 2 for m <= 2, 4 for m <= 4, else BM."""
+    if SMALL_ROW_BLOCKS:
+        for bm in (2, 4):
+            if m <= bm:
+                return bm
+    return BM
 # Columns of every matmul dot (a TP column shard narrower than BN is zero-padded to BN).
 BN = 128
 # Query tokens per iteration of the attention loop (how much KV is gathered at once).
@@ -159,24 +178,25 @@ def tree_subtree(
     dtype = jnp.promote_types(a.dtype, b.dtype)
     a = a.astype(dtype)
     m = a.shape[0]
-    mp = -(-max(m, 1) // BM) * BM
+    bm = row_block(m)
+    mp = -(-max(m, 1) // bm) * bm
     a = _pad_axis(_pad_axis(a, 1, num_leaves * leaf_k), 0, mp)
-    a4 = a.reshape(mp // BM, BM, num_leaves, leaf_k).transpose(0, 2, 1, 3)  # [m block, leaf, ..]
+    a4 = a.reshape(mp // bm, bm, num_leaves, leaf_k).transpose(0, 2, 1, 3)  # [m block, leaf, ..]
     precision = lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize > 2 else None
     dims = (((3,), (2,)), ((0, 1), (0, 1)))  # batch (leaf, n block); contract leaf_k
 
-    def products(w4: jax.Array) -> jax.Array:  # [leaf, g, leaf_k, BN] -> [m blocks, BM, g*BN]
+    def products(w4: jax.Array) -> jax.Array:  # [leaf, g, leaf_k, BN] -> [m blocks, bm, g*BN]
         live, g = w4.shape[:2]  # leaves past `live` are zero blocks (xla_blocked: not held)
 
-        def block(x: jax.Array) -> jax.Array:  # x [leaf, BM, leaf_k] -> [BM, g*BN] f32
-            xb = jnp.broadcast_to(x[:live, None], (live, g, BM, leaf_k))
+        def block(x: jax.Array) -> jax.Array:  # x [leaf, bm, leaf_k] -> [bm, g*BN] f32
+            xb = jnp.broadcast_to(x[:live, None], (live, g, bm, leaf_k))
             parts = lax.dot_general(
                 xb, w4, dims, precision=precision, preferred_element_type=jnp.float32
             )  # [leaf, g, BM, BN]
             zero = jnp.zeros_like(parts[0])  # a zero block's dot, in its place of the tree
             acc = _combine_pairwise([parts[i] for i in range(live)]
                                     + [zero] * (num_leaves - live))  # fmt: skip
-            return acc.transpose(1, 0, 2).reshape(BM, g * BN)
+            return acc.transpose(1, 0, 2).reshape(bm, g * BN)
 
         return lax.map(block, a4)
 

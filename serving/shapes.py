@@ -5,8 +5,8 @@ sampler variant (serving/sampler_variants.py: two on a GPU, one on a CPU), and a
 seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
 runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
 - T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
-  last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU from 8: 7 buckets,
-  `default_min_tokens_bucket`);
+  last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU 1, then 8 to 512: 8 buckets,
+  `default_min_tokens_bucket`, `single_token_bucket`);
 - S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
   No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs;
 - Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
@@ -58,7 +58,9 @@ class ShapeSet:
         min_seqs_bucket: int = 1,
         min_pages_bucket: int = 32,
     ) -> ShapeSet:
-        """`min_tokens_bucket` None: `default_min_tokens_bucket()`."""
+        """`min_tokens_bucket` None: `default_min_tokens_bucket()`, and on a CPU a 1-token
+        bucket below it (`single_token_bucket`)."""
+        single = min_tokens_bucket is None and single_token_bucket()
         if min_tokens_bucket is None:
             min_tokens_bucket = default_min_tokens_bucket()
         for name, v in (
@@ -69,6 +71,8 @@ class ShapeSet:
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         tokens, t = [], min(min_tokens_bucket, max_num_batched_tokens)
+        if single and t > 1:
+            tokens.append(1)
         while t < max_num_batched_tokens:
             tokens.append(t)
             t *= 2
@@ -107,12 +111,27 @@ class ShapeSet:
 
 
 def default_min_tokens_bucket() -> int:
-    """The smallest T bucket: 8 on a CPU, 16 elsewhere. Why 8 on a CPU: the CPU kernels compute
-    every matmul in blocks of 8 rows (pallas_kernels/xla_fixed.py BM), so a batch-1 decode padded
+    """The smallest T bucket: 8 on a CPU (below it the 1-token bucket of `single_token_bucket`
+    where the defaults are kept), 16 elsewhere. Why 8 on a CPU: the CPU kernels compute every
+    matmul of 5 or more rows in blocks of 8 (pallas_kernels/xla_fixed.py BM), so a decode padded
     to 16 tokens computed a second, empty block of every product, attention group and sampled
     row (measured: 16 -> 8 took the embedded model's "tp" decode step from ~14 to ~10 ms of CPU
     time). On a GPU a 16-row tile is the kernels' smallest step anyway."""
     return 8 if jax.default_backend() == "cpu" else 16
+
+
+def single_token_bucket() -> bool:
+    """Whether the default buckets start with T = 1 (then 8, 16, ...): on a CPU's fixed-order
+    kernels, where a 1-token step runs 2-row dots (pallas_kernels/xla_fixed.py `row_block`)
+    instead of 8-row ones, the same bits for its row (tests/serving/test_small_buckets.py).
+    Measured on the 2-core CI machine (load 5.5-6): the embedded model's batch-1 "tp" decode
+    167-171 -> 234-259 tok/s, 5.8 -> 3.8 CPU ms a token. One shape more per Pmax bucket to
+    compile; batch 2-8 decodes stay at T = 8; `jdet generate` pins its one shape (jdet/cli.py)."""
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels import _platform, xla_fixed
+
+    return bool(xla_fixed.SMALL_ROW_BLOCKS) and _platform.xla_fixed_default()
 
 
 CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)

@@ -1,4 +1,6 @@
-"""Token buckets below 8 rows (`min_tokens_bucket` 1 and 4) keep the invariance contract (issue 17).
+"""Token buckets below 8 rows keep the invariance contract (issue 17): `min_tokens_bucket` 1 and 4,
+and a CPU engine's default buckets, whose first is 1 (serving/shapes.py `single_token_bucket`: a
+batch-1 decode runs 2-row dots, pallas_kernels/xla_fixed.py `row_block`).
 
 On a CPU these engines used to leave `score()`'s bits: greedy decode of the embedded model from
 output 23 on (BENCHMARKS.md, session 10), because the query's RoPE of a 1-4 row step rounded
@@ -48,6 +50,19 @@ def test_small_bucket_decode_equals_score_and_batch(model, bucket):
         assert np.array_equal(_score(llm, prompt, out), np.float32(out.logprobs))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the 1-token bucket is the CPU's")
+def test_default_cpu_buckets_decode_alone_in_one_row_with_the_bits_of_eight(model):
+    """The default engine: a batch-1 decode runs T = 1 (2-row dots), two sequences T = 8 (8-row
+    dots); the same bits either way, and score()'s."""
+    llm = jdet.LLM(model, invariance="tp", warmup=False)
+    assert llm.engine.runner.shapes.tokens[:2] == (1, 8)
+    together = llm.generate(PROMPTS, PARAMS)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        alone = llm.generate([prompt], PARAMS)[0]
+        assert np.array_equal(np.float32(alone.logprobs), np.float32(out.logprobs))
+        assert np.array_equal(_score(llm, prompt, alone), np.float32(alone.logprobs))
+
+
 @pytest.fixture
 def plain_rope(monkeypatch):
     """The step with the plain RoPE expression; returns how many times it was traced. JAX's
@@ -75,3 +90,19 @@ def test_negative_control_plain_rope_leaves_score(model, plain_rope):
     out = llm.generate(PROMPTS[:1], PARAMS)[0]
     assert plain_rope, "the control's steps did not trace the plain RoPE"
     assert not np.array_equal(_score(llm, PROMPTS[0], out), np.float32(out.logprobs))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the 1-token bucket is the CPU's")
+def test_jdet_generate_keeps_its_one_step_shape_without_the_1_token_bucket():
+    """`jdet generate` prefills and decodes in one compiled shape (jdet/cli.py): the 1-token
+    bucket would be a second compile in a one-shot run."""
+    from jdet.cli import _one_shape_budget
+    from jdet.settings import EngineConfig
+    from serving.shapes import ShapeSet
+
+    cfg = _one_shape_budget(EngineConfig(), None)
+    shapes = ShapeSet.build(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=8,
+                            max_pages=8, min_tokens_bucket=cfg.min_tokens_bucket)  # fmt: skip
+    assert shapes.tokens == (8,)
+    default = ShapeSet.build(max_num_batched_tokens=8, max_num_seqs=8, max_pages=8)
+    assert default.tokens == (1, 8)  # what it would have run unpinned
