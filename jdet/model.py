@@ -168,6 +168,22 @@ def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
 # knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
 # keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
 LAYER_WHILE_LOOP = 1
+# On a GPU, the invariant modes may run their layers unrolled: L calls of one jitted layer function
+# (traced and lowered once, inlined by XLA), each reading its layer's weights at a constant offset.
+# Why: XLA runs a loop's body from the host as a CUDA graph and re-records it every iteration
+# (`command_buffer::update`, the Mosaic matmuls stream-captured again: 50-110 us of host time a
+# layer on an H100, benchmarks/step_timeline.py), so a Qwen3-0.6B step's dispatch held the host
+# ~1.9 ms, longer than the device's 1.5 ms: the engine was host-bound. Unrolled, the step is a few
+# graphs, re-recorded only when a step's buffers move, which the async engine hides behind the
+# previous step. Where a layer's device time exceeds the host's re-record (8B layers: ~200 us),
+# the loop is hidden anyway and the unrolled graph's update costs more. H100, decode_bench,
+# batch 1, ctx 1024, one process each (BENCHMARKS run 12): Qwen3-0.6B engine (async) 2.20 ->
+# 1.69 ms; Llama-3-8B 6.34 -> 6.45 ms; a first step's compile +3 s. Same kernels on the same
+# operands: the same bits (tests/jdet/test_invariance_gpu.py). 0: never, 1: always, 2: where a
+# layer's weights are under UNROLL_BELOW_BYTES (a function of the shapes only; between the
+# measured 30 and 368 MiB, unmeasured: 128 MiB is where a layer's read takes ~45 us).
+LAYER_UNROLL_GPU = 2
+UNROLL_BELOW_BYTES = 128 << 20  # 0.6B: 30 MiB a layer (unrolled), 8B: 368-416 (looped)
 
 
 def hidden_states(
@@ -217,6 +233,19 @@ def hidden_states(
         (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
         return kv, x[:T]
 
+    if _unroll(layers, L) and not in_place:
+
+        @jax.jit
+        def one_layer(layer: jax.Array, x: jax.Array, h: Any, kv: dict) -> tuple:
+            lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
+                              layers)  # fmt: skip
+            (x, h, kv), _ = body((x, h, kv), (lp, layer))
+            return x, h, kv
+
+        for i in range(L):
+            x, h, kv = one_layer(jnp.int32(i), x, h, kv)
+        return kv, x[:T]
+
     # The loop's own counter is the layer index: the same layer bodies as the scan over
     # (weights, arange(L)), without the per-layer slice of arange(L) (an async copy, ~1.4 us a
     # layer on an H100) that the scan's xs needed.
@@ -228,6 +257,16 @@ def hidden_states(
 
     _, x, _, kv = jax.lax.while_loop(lambda c: c[0] < L, step, (jnp.int32(0), x, h, kv))
     return kv, x[:T]
+
+
+def _unroll(layers: dict, num_layers: int) -> bool:
+    """Whether the invariant layer loop runs unrolled (`LAYER_UNROLL_GPU`): on a GPU only."""
+    from pallas_kernels import _platform
+
+    if not LAYER_UNROLL_GPU or _platform.platform() != "gpu":
+        return False
+    per_layer = sum(w.size * w.dtype.itemsize for w in jax.tree_util.tree_leaves(layers))
+    return LAYER_UNROLL_GPU == 1 or per_layer // num_layers < UNROLL_BELOW_BYTES
 
 
 def _q_heads(layers: dict, kv: dict, cfg: ModelConfig, ops: Ops) -> int:

@@ -58,3 +58,46 @@ def test_gpu_generate_logprobs_equal_score(model):
     scores = llm.score([p + o.token_ids for p, o in zip(prompts, outs, strict=True)])
     for p, o, s in zip(prompts, outs, scores, strict=True):
         assert np.array_equal(o.logprobs, s[len(p) - 1 :])
+
+
+def test_gpu_unrolled_layers_equal_the_layer_loop(model):
+    """jdet.model.LAYER_UNROLL_GPU: the layers as L inlined calls of one jitted layer instead of
+    XLA's loop run the same kernels on the same operands: tokens, log-probs and every K/V row of
+    a decode step (3 sequences, 5 padding rows) are equal. Control: the loop's step on weights
+    that differ in one row of the last layer's q|k|v projection (one bf16 step) writes other K/V
+    rows, so the comparison sees a changed weight."""
+    import jax
+    import jax.numpy as jnp
+
+    import jdet.model as jm
+    from benchmarks.decode_bench import decode_inputs
+    from serving.engine import Engine
+    from sharding.mesh import make_tp_mesh
+    from sharding.tp import make_tp_step
+
+    sb, si = decode_inputs(model.cfg, 3, 100, 16, pad_tokens=8)
+    eng = Engine(model, invariance="tp", max_num_batched_tokens=256, num_pages=64,
+                 max_model_len=512, async_scheduling="off")  # fmt: skip
+    r = eng.runner
+    kv0 = jax.tree.map(np.asarray, r.kv)
+
+    def run(params, unroll):
+        was = jm.LAYER_UNROLL_GPU
+        jm.LAYER_UNROLL_GPU = unroll
+        try:
+            fn = make_tp_step.__wrapped__(model.cfg, "tp", make_tp_mesh(1))
+            kv = jax.device_put(kv0, jax.tree.map(lambda a: a.sharding, r.kv))
+            kv, out = fn(params, kv, jax.device_put(sb), jax.device_put(si))
+        finally:
+            jm.LAYER_UNROLL_GPU = was
+        return [np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(kv["k"]),
+                np.asarray(kv["v"])]  # fmt: skip
+
+    looped, unrolled = run(r.params, 0), run(r.params, 1)
+    for name, a, b in zip(("tokens", "logprobs", "k", "v"), looped, unrolled, strict=True):
+        assert np.array_equal(a, b), name
+    layers = dict(r.params["layers"])
+    w = layers["wqkv"]
+    layers["wqkv"] = w.at[-1, 0, :].set(jnp.nextafter(w[-1, 0, :], jnp.inf))
+    nudged = run({**r.params, "layers": layers}, 0)
+    assert not np.array_equal(nudged[2], looped[2])
