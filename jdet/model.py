@@ -168,7 +168,8 @@ def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
 # knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
 # keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
 LAYER_WHILE_LOOP = 1
-# On a GPU, the invariant modes may run their layers unrolled: L calls of one jitted layer function
+# On a GPU, every mode may run its layers unrolled ("none" too: its fastest form, and still
+# differentiable): L calls of one jitted layer function
 # (traced and lowered once, inlined by XLA), each reading its layer's weights at a constant offset.
 # Why: XLA runs a loop's body from the host as a CUDA graph and re-records it every iteration
 # (`command_buffer::update`, the Mosaic matmuls stream-captured again: 50-110 us of host time a
@@ -226,13 +227,6 @@ def hidden_states(
         )
         return (x, h, kv), None
 
-    # Not unrolled: with lax.scan(unroll=2 or 4) the 8B step took 16.8 ms instead of 7.5 on an
-    # H100 (the weight slices are then copied out of the stack, not read in place).
-    if not (LAYER_WHILE_LOOP and ops.invariant):  # "none" stays differentiable (jdet/train.py)
-        xs = (layers, jnp.arange(L, dtype=jnp.int32))
-        (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
-        return kv, x[:T]
-
     if _unroll(layers, L) and not in_place:
 
         @jax.jit
@@ -244,6 +238,14 @@ def hidden_states(
 
         for i in range(L):
             x, h, kv = one_layer(jnp.int32(i), x, h, kv)
+        return kv, x[:T]
+
+    # Looped (off a GPU, or layers too large to gain from unrolling). Not lax.scan(unroll=2 or
+    # 4): with it the 8B step took 16.8 ms instead of 7.5 on an H100 (the weight slices are then
+    # copied out of the stack, not read in place).
+    if not (LAYER_WHILE_LOOP and ops.invariant):  # "none" stays differentiable (jdet/train.py)
+        xs = (layers, jnp.arange(L, dtype=jnp.int32))
+        (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
         return kv, x[:T]
 
     # The loop's own counter is the layer index: the same layer bodies as the scan over
