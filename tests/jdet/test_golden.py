@@ -53,7 +53,7 @@ GOLDEN = {
 # The embedded model's system_fingerprint (TP 1, page size 16); it also hashes the jdet, JAX and
 # jaxlib versions and the device, so it is checked only where it was recorded.
 FINGERPRINT_ENV = ("0.10.2", "cpu")
-FINGERPRINTS = {"tp": "fp_jdet_b67e236f5a048a64", "batch": "fp_jdet_4d55a9896e83c6f0"}
+FINGERPRINTS = {"tp": "fp_jdet_d7c360188e767712", "batch": "fp_jdet_68ac24d23301772b"}  # jdet 0.2.0
 
 
 def _sampling_params() -> list[jdet.SamplingParams]:
