@@ -23,23 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def _planes(trace_dir: str) -> tuple[list, list]:
-    import glob
-
-    import jax
-
-    dev, host = [], []
-    for p in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane in jax.profiler.ProfileData.from_file(p).planes:
-            is_dev = plane.name.startswith("/device:GPU")
-            if not (is_dev or plane.name.startswith("/host:CPU")):
-                continue
-            for line in plane.lines:
-                for e in line.events:
-                    row = (line.name, e.name, float(e.start_ns), float(e.duration_ns))
-                    (dev if is_dev else host).append(row)
-    return dev, host
+from benchmarks.profile_step import _events
 
 
 def timeline(fn: Any, steps: int, pick: int, gap_us: float) -> dict:
@@ -52,7 +36,7 @@ def timeline(fn: Any, steps: int, pick: int, gap_us: float) -> dict:
         for i in range(steps):
             with jax.profiler.TraceAnnotation(f"jdet_step_{i}"):
                 fn()
-    dev, host = _planes(d)
+    dev, host = _events(d)  # benchmarks/profile_step.py's reader of the trace
     marks = sorted((s, s + du) for ln, n, s, du in host if n == f"jdet_step_{pick}")
     if not marks:
         return {"error": "no step annotation in the trace", "host_names":
