@@ -168,18 +168,18 @@ def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
 # knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
 # keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
 LAYER_WHILE_LOOP = 1
-# On a GPU, every mode may run its layers unrolled ("none" too: its fastest form, and still
-# differentiable): L calls of one jitted layer function
-# (traced and lowered once, inlined by XLA), each reading its layer's weights at a constant offset.
-# Why: XLA runs a loop's body from the host as a CUDA graph and re-records it every iteration
-# (`command_buffer::update`, the Mosaic matmuls stream-captured again: 50-110 us of host time a
-# layer on an H100, benchmarks/step_timeline.py), so a Qwen3-0.6B step's dispatch held the host
-# ~1.9 ms, longer than the device's 1.5 ms: the engine was host-bound. Unrolled, the step is a few
-# graphs, re-recorded only when a step's buffers move, which the async engine hides behind the
-# previous step. Where a layer's device time exceeds the host's re-record (8B layers: ~200 us),
-# the loop is hidden anyway and the unrolled graph's update costs more. H100, decode_bench,
-# batch 1, ctx 1024, one process each (BENCHMARKS run 12): Qwen3-0.6B engine (async) 2.20 ->
-# 1.69 ms; Llama-3-8B 6.34 -> 6.45 ms; a first step's compile +3 s. Same kernels on the same
+# On a GPU, every mode may run its layers unrolled ("none" too: its fastest form there, and still
+# differentiable): L calls of one jitted layer function (traced and lowered once, inlined by XLA),
+# each reading its layer's weights at a constant offset. Why: XLA runs a loop's body from the host
+# as a CUDA graph and re-records it every iteration (`command_buffer::update`, the Mosaic matmuls
+# stream-captured again: 50-110 us of host time a layer on an H100, benchmarks/step_timeline.py),
+# so a Qwen3-0.6B step's dispatch held the host ~1.9 ms, longer than the device's 1.5 ms: the
+# engine was host-bound. Unrolled, the step is a few graphs, re-recorded only when a step's
+# buffers move, which the async engine hides behind the previous step. Where a layer's device time
+# exceeds the host's re-record (8B layers: ~200 us), the loop is hidden anyway and the unrolled
+# graph's update costs more. H100, decode_bench, batch 1, ctx 1024, one process each (BENCHMARKS
+# run 12): Qwen3-0.6B engine (async) "tp" 2.20 -> 1.69 ms, "none" 3.22 -> 2.86; Llama-3-8B "tp"
+# 6.34 -> 6.45 ms; the first steps' compile +3.5 s ("tp", 0.6B). Same kernels on the same
 # operands: the same bits (tests/jdet/test_invariance_gpu.py). 0: never, 1: always, 2: where a
 # layer's weights are under UNROLL_BELOW_BYTES (a function of the shapes only; between the
 # measured 30 and 368 MiB, unmeasured: 128 MiB is where a layer's read takes ~45 us).
@@ -262,7 +262,7 @@ def hidden_states(
 
 
 def _unroll(layers: dict, num_layers: int) -> bool:
-    """Whether the invariant layer loop runs unrolled (`LAYER_UNROLL_GPU`): on a GPU only."""
+    """Whether the layer loop runs unrolled (`LAYER_UNROLL_GPU`): on a GPU only, any mode."""
     from pallas_kernels import _platform
 
     if not LAYER_UNROLL_GPU or _platform.platform() != "gpu":
