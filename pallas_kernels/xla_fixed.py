@@ -37,7 +37,8 @@ Reduction plans (each a function of model shapes only):
   whatever T is. The tree's first level adds two squares, where an FMA contraction could fuse
   one (below, "FMA contraction"): the optimization barrier on x^2 does not prevent it (XLA CPU
   drops it before fusion: the head norms' first level fuses with the squares), but the square of
-  a 16-bit float is exact in f32, so no contraction can change it. Not so for f32 activations.
+  a 16-bit float is exact in f32, so no contraction can change it. An f32 x's is not: its square
+  is built from exact partial products instead (`_square`).
 - `logsumexp` / `log_softmax`: the row max (exact in any order), then exp(x - max) summed by the
   same halving tree over V; lse = max + log(sum).
 - `rope`: RoPE's x*cos + rotate_half(x)*sin in f32 with every product exact (module section
@@ -80,7 +81,8 @@ cuts cos and sin into a high part of 8 significant bits and the exact rest (<= 1
 into 8-bit parts (one for bf16): every partial product then has <= 24 significant bits, exact
 in f32, and x*cos_hi + x*cos_lo rounds once, to the f32 product x*cos. The step's optimized HLO
 at T = 1, 8 and 16 (embedded model) has no other add of two products but rms_norm's first level
-(exact squares for 16-bit activations, above); an add of one product contracts alike anywhere.
+(exact squares, above); an add of one product contracts alike anywhere (LLVM fuses a product
+into the add it alone feeds; only the choice between two products follows the generated code).
 """
 
 from __future__ import annotations
@@ -215,13 +217,45 @@ def matmul(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     return tree_subtree(a, b, leaf_k=a.shape[1], num_leaves=1, out_dtype=jnp.dtype(out_dtype))
 
 
+# Squares of f32 activations from exact partial products (`_square`); 0: the plain x * x, whose
+# first tree level an FMA contraction may round by the program's shape (tests' negative control).
+EXACT_F32_SQUARES = 1
+
+
+def _square(x: jax.Array) -> jax.Array:
+    """x^2 in f32 for rms_norm, such that no FMA contraction can change a bit of it or of the
+    tree's first level (module docstring, "FMA contraction"). A 16-bit float's square (<= 22
+    significant bits) is exact in f32: x * x, as it always was. An f32 x is cut into hi, its 12
+    leading significant bits, and lo = x - hi (exact, <= 12 bits); every partial product then
+    has <= 24 bits, exact in f32, and
+        x^2 = hi*hi + (lo*(hi + hi) + lo*lo)
+    adds exact products only, so contracting any of them into an add changes nothing: the inner
+    sum is rounded once, then the outer, the same bits in every program. That is round(x*x) but
+    where the inner rounding tips the outer one (one ulp, ~2 in 10^4 random elements). (Exact
+    for |x| >= ~2^-50; below, lo*lo may round as a subnormal, which can reach a sum's bits only
+    where the squares it is added to are as tiny.)"""
+    x32 = x.astype(jnp.float32)
+    if jnp.finfo(x.dtype).nmant + 1 <= 12 or not EXACT_F32_SQUARES:
+        return x32 * x32
+    bits = lax.bitcast_convert_type(x32, jnp.uint32) & jnp.uint32(0xFFFFF000)
+    hi = lax.bitcast_convert_type(bits, jnp.float32)
+    lo = x32 - hi  # exact
+    return hi * hi + (lo * (hi + hi) + lo * lo)
+
+
+def sum_squares(x: jax.Array) -> jax.Array:
+    """Sum over the last axis of x^2 in f32 (`_square`), by the halving tree: rms_norm's
+    statistics, the same bits in every program."""
+    return tree_sum(lax.optimization_barrier(_square(x)))
+
+
 @functools.partial(jax.jit, static_argnames=("eps",))
 def rms_norm(x: jax.Array, w: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm of x[T, D]: f32 statistics by a halving tree over D, Hugging Face rounding."""
+    """RMSNorm of x[T, D]: f32 statistics by a halving tree over D (`sum_squares`), Hugging Face
+    rounding."""
     d = x.shape[1]
     x32 = x.astype(jnp.float32)
-    sq = lax.optimization_barrier(x32 * x32)
-    inv = 1.0 / jnp.sqrt(tree_sum(sq) / d + eps)
+    inv = 1.0 / jnp.sqrt(sum_squares(x) / d + eps)
     normed = (x32 * inv[:, None]).astype(x.dtype)
     return (w.astype(x.dtype).astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
 
