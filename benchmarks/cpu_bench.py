@@ -15,7 +15,7 @@ A shared machine is noisy: the decode and offline figures are the best of --repe
 the JSON says so.
 
     python -m benchmarks.cpu_bench [--out cpu_bench.json] [--repeats 3]
-        [--only cli,phases,decode,offline]
+        [--only cli,phases,decode,offline] [--modes tp,batch,none] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -134,12 +134,13 @@ def _gen_seconds(llm, prompts, max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench_decode(repeats: int, modes=("tp", "batch", "none")) -> dict:
+def bench_decode(repeats: int, modes=("tp", "batch", "none"), dtype: str = "bfloat16") -> dict:
     import jdet
 
-    model = jdet.load()
+    model = jdet.load(dtype=dtype)
     out = {"what": "batch-1 greedy decode of the embedded model, (128 - 16) tokens / "
-                   "(t(128 tokens) - t(16 tokens))", "target_tp_tok_s": 200}  # fmt: skip
+                   "(t(128 tokens) - t(16 tokens))", "dtype": dtype,
+           "target_tp_tok_s": 200}  # fmt: skip
     for mode in modes:
         llm = jdet.LLM(model, invariance=mode, warmup=False)
         _gen_seconds(llm, [PROMPT], 128)  # compiles every shape the runs below use
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", default="cli,decode,offline")
     p.add_argument("--modes", default="tp,batch,none", help="decode: invariance modes to time")
+    p.add_argument("--dtype", default="bfloat16", help="decode: the embedded model's dtype "
+                   "(bfloat16, float16, float32: its activations' too)")  # fmt: skip
     a = p.parse_args(argv)
     import jax
 
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
            "jax": jax.__version__, "kernel_backend": _platform.kernel_backend(),
            "note": f"best of {a.repeats} runs on a possibly shared machine"}  # fmt: skip
     modes = tuple(a.modes.split(","))
-    parts = {"cli": bench_cli, "phases": bench_phases, "decode": lambda r: bench_decode(r, modes),
+    parts = {"cli": bench_cli, "phases": bench_phases,
+             "decode": lambda r: bench_decode(r, modes, a.dtype),
              "offline": bench_offline}  # fmt: skip
     for name in a.only.split(","):
         res[name] = parts[name](a.repeats)
