@@ -44,6 +44,16 @@ SHAPES = {
                        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Qwen3-1.7B / 4B: between the 0.6B and 8B shapes (100 and 202 MB of weights a layer), where
+    # jdet.model.LAYER_UNROLL_GPU was measured (BENCHMARKS run 13)
+    "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                       hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3-4b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+                     hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=512,
                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,

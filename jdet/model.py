@@ -168,23 +168,24 @@ def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
 # knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
 # keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
 LAYER_WHILE_LOOP = 1
-# On a GPU, every mode may run its layers unrolled ("none" too: its fastest form there, and still
+# On a GPU, every mode runs its layers unrolled ("none" too: its fastest form there, and still
 # differentiable): L calls of one jitted layer function (traced and lowered once, inlined by XLA),
 # each reading its layer's weights at a constant offset. Why: XLA runs a loop's body from the host
 # as a CUDA graph and re-records it every iteration (`command_buffer::update`, the Mosaic matmuls
 # stream-captured again: 50-110 us of host time a layer on an H100, benchmarks/step_timeline.py),
 # so a Qwen3-0.6B step's dispatch held the host ~1.9 ms, longer than the device's 1.5 ms: the
 # engine was host-bound. Unrolled, the step is a few graphs, re-recorded only when a step's
-# buffers move, which the async engine hides behind the previous step. Where a layer's device time
-# exceeds the host's re-record (8B layers: ~200 us), the loop is hidden anyway and the unrolled
-# graph's update costs more. H100, decode_bench, batch 1, ctx 1024, one process each (BENCHMARKS
-# run 12): Qwen3-0.6B engine (async) "tp" 2.20 -> 1.69 ms, "none" 3.22 -> 2.86; Llama-3-8B "tp"
-# 6.34 -> 6.45 ms; the first steps' compile +3.5 s ("tp", 0.6B). Same kernels on the same
-# operands: the same bits (tests/jdet/test_invariance_gpu.py). 0: never, 1: always, 2: where a
-# layer's weights are under UNROLL_BELOW_BYTES (a function of the shapes only; between the
-# measured 30 and 368 MiB, unmeasured: 128 MiB is where a layer's read takes ~45 us).
-LAYER_UNROLL_GPU = 2
-UNROLL_BELOW_BYTES = 128 << 20  # 0.6B: 30 MiB a layer (unrolled), 8B: 368-416 (looped)
+# buffers move, which the async engine hides behind the previous step. H100, engine step (async),
+# batch 1, ctx 1024 (BENCHMARKS runs 12, 13): Qwen3-0.6B "tp" 2.20 -> 1.69 ms, "none" 3.22 ->
+# 2.86 (one process each); alternated in one process, Llama-3-8B 6.52 -> 6.38 ms, Qwen3-8B 6.79
+# -> 6.74; one process each, Qwen3-4B 4.45 -> 4.38, Qwen3-1.7B 2.35 -> 2.26. The first steps'
+# compile grows (+3.5 s at 0.6B "tp"). Same kernels on the same operands: the same bits
+# (tests/jdet/test_invariance_gpu.py). 0: never, 1: always, 2: where a layer's weights are under
+# UNROLL_BELOW_BYTES (a function of the shapes only). Session 11 measured Llama-3-8B slower
+# unrolled (6.34 -> 6.45 ms, one process per setting) and made 2 the default; the alternated
+# comparison of run 13 reverses it.
+LAYER_UNROLL_GPU = 1
+UNROLL_BELOW_BYTES = 128 << 20  # for LAYER_UNROLL_GPU = 2 (0.6B: 30 MiB a layer, 8B: 368-416)
 
 
 def hidden_states(
