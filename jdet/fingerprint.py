@@ -4,13 +4,15 @@ It hashes everything the bits depend on: the weights, the config (EOS ids includ
 where generation stops), the invariance mode, the kernel plan (attention partition size, page
 size, TP size), the jdet version, the JAX and jaxlib versions (a compiler change can change
 bits), the kernel backend (Mosaic GPU, Pallas Triton, Pallas interpret, or the CPU's fixed-order
-XLA path: each has its own bits) and the device kind.
+XLA path: each has its own bits) and the device kind; on a CPU also the host CPU (`host_cpu`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,6 +35,32 @@ def kernel_backend() -> str:
     return "mosaic-gpu" if _platform.is_hopper() else f"pallas-{_platform.platform()}"
 
 
+# Instruction-set features whose presence changes the code XLA CPU generates for a step (vector
+# width, FMA, the rsqrt estimate behind 1/sqrt and its precision), so possibly its bits.
+_CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                 "avx512_bf16", "avx512_fp16", "amx_bf16")  # fmt: skip
+
+
+@functools.cache
+def host_cpu() -> str:
+    """The host CPU as XLA CPU sees it: vendor, model name and `_CPU_FEATURES` present. Why: on a
+    CPU the step's bits may follow the instruction set (XLA turns 1/sqrt into the hardware's
+    rsqrt estimate plus a Newton step, and the estimate differs between vendors and between
+    AVX2 and AVX-512 code), so a fingerprint that names only "cpu" could promise equal bits
+    across machines that do not give them. Linux's /proc/cpuinfo; elsewhere `platform`."""
+    import platform
+
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".strip()
+    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    have = [f for f in _CPU_FEATURES if f in flags]
+    return " | ".join((fields.get("vendor_id", "?"), fields.get("model name", "?"), " ".join(have)))
+
+
 def fingerprint(model: Any, plan: Plan, *, page_size: int, speculative: Any = None) -> str:
     """The fingerprint of `model` run by `plan` (jdet/plan.py) with `page_size`-token pages.
     `speculative` (a SpeculativeConfig) counts only where it can change the bits: verify=
@@ -51,6 +79,8 @@ def fingerprint(model: Any, plan: Plan, *, page_size: int, speculative: Any = No
         "backend": dev.platform,
         "device_kind": dev.device_kind,
     }
+    if dev.platform == "cpu":
+        parts["host_cpu"] = host_cpu()
     if speculative is not None and speculative.changes_bits:
         dm = speculative.draft_model
         parts["speculative"] = {

@@ -1,4 +1,5 @@
 # Part of system_fingerprint (jdet/fingerprint.py): bump it whenever a change gives other bits for
 # the same request on the same backend. 0.2.0: the CPU's RoPE with exact partial products (2f8bf21)
-# and the GPU's one-block RMSNorm for D > 1024 (f2e94f4).
-__version__ = "0.2.0"
+# and the GPU's one-block RMSNorm for D > 1024 (f2e94f4). 0.2.1: the CPU's RMSNorm squares f32
+# activations exactly (e8cc6ff: f32 models' CPU bits), and a CPU fingerprint names the host CPU.
+__version__ = "0.2.1"

@@ -51,9 +51,9 @@ GOLDEN = {
     ("batch", 2): ("d7a451c505cda73b", "fc90cf1de5616603"),
 }
 # The embedded model's system_fingerprint (TP 1, page size 16); it also hashes the jdet, JAX and
-# jaxlib versions and the device, so it is checked only where it was recorded.
-FINGERPRINT_ENV = ("0.10.2", "cpu")
-FINGERPRINTS = {"tp": "fp_jdet_d7c360188e767712", "batch": "fp_jdet_68ac24d23301772b"}  # jdet 0.2.0
+# jaxlib versions, the device and the host CPU, so it is checked only where it was recorded.
+FINGERPRINT_ENV = ("0.10.2", "cpu", "AuthenticAMD | AMD EPYC | sse4_2 avx avx2 fma f16c")
+FINGERPRINTS = {"tp": "fp_jdet_b3b253666cff4639", "batch": "fp_jdet_5aef7d7cc073b01f"}  # jdet 0.2.1
 
 
 def _sampling_params() -> list[jdet.SamplingParams]:
@@ -105,7 +105,10 @@ def test_embedded_model_outputs_match_the_recorded_bits(model, invariance, tp):
     got = run(model, invariance, tp)
     assert got["tokens"] == TOKENS
     assert (got["gen"], got["score"]) == GOLDEN[(invariance, tp)]
-    if tp == 1 and (jax.__version__, jax.devices()[0].platform) == FINGERPRINT_ENV:
+    from jdet.fingerprint import host_cpu
+
+    env = (jax.__version__, jax.devices()[0].platform, host_cpu())
+    if tp == 1 and env == FINGERPRINT_ENV:
         assert got["fp"] == FINGERPRINTS[invariance]
 
 
@@ -121,3 +124,19 @@ if __name__ == "__main__":  # print the values to record
     m = jdet.load()
     for mode, tp in GOLDEN:
         print(mode, tp, run(m, mode, tp), file=sys.stdout, flush=True)
+
+
+def test_a_cpu_fingerprint_names_the_host_cpu(model, monkeypatch):
+    """On a CPU the bits may follow the instruction set (jdet/fingerprint.py `host_cpu`), so the
+    fingerprint hashes it: another host CPU gives another fingerprint, the same one the same."""
+    from jdet import fingerprint as fp
+    from jdet.plan import Plan
+
+    plan = Plan(model.cfg, invariance="tp")
+    here = fp.fingerprint(model, plan, page_size=16)
+    assert fp.fingerprint(model, plan, page_size=16) == here
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("host_cpu is hashed on a CPU backend only")
+    real = fp.host_cpu()
+    monkeypatch.setattr(fp, "host_cpu", lambda: real + " avx512f")
+    assert fp.fingerprint(model, plan, page_size=16) != here
