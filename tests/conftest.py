@@ -96,6 +96,13 @@ def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist") and not explicit:
         if config.getoption("dist", "no") == "load":
             config.option.dist = "loadgroup"
+        if hasattr(config, "workerinput"):
+            # A worker: xdist set its `loadgroup` flag (whether to tag each test's node id with
+            # its group, what the controller's scheduler groups by) from the command line's
+            # --dist before this hook ran (xdist/remote.py `setup_config`, xdist 3.8), so the
+            # switch above never reached it and no group was kept together: the README run
+            # (sessions 9-12) built each grouped module's fixtures and compiles on both workers.
+            config.option.loadgroup = True
 
 
 # Modules whose single (ungrouped) tests are long, longest first (CPU seconds per test, measured
