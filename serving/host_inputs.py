@@ -190,10 +190,14 @@ class PackedStep:
         return getattr(self.fn, attr)
 
 
-def split_step_fn(cfg: Any, invariance: str, mesh: Any = None) -> tuple[Callable, Callable]:
+def split_step_fn(
+    cfg: Any, invariance: str, mesh: Any = None
+) -> tuple[Callable, Callable, Callable]:
     """A CPU engine's step as two executables, (forward, sampler), one pair per (config, mode):
     forward(params, kv, batch, words, layout) -> (kv, f32 logits [N, V]) (the KV cache donated)
     and sampler(logits, sampling, words, layout) -> SampleOut. `SplitStep` runs them in turn.
+    The third, logprobs(logits, targets) -> f32 [N], is the sampler's log-softmax alone: with
+    the forward it is the engine's score function on a CPU (`SplitScore`).
 
     Why: on a CPU the full sampler is about half of a step's compile (the tests' tiny Qwen3,
     N = 8, V = 320, "tp": the sampler alone compiles in ~2.1 CPU s, the whole step in ~4-5; XLA
@@ -212,8 +216,8 @@ def split_step_fn(cfg: Any, invariance: str, mesh: Any = None) -> tuple[Callable
 
 
 @functools.cache
-def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Callable]:
-    from jdet.sampling import sample
+def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Callable, Callable]:
+    from jdet.sampling import sample, token_logprobs
     from jdet.step import jit_step, logits_body, xla_options
 
     if mesh is None:
@@ -239,7 +243,11 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
         _, sampling = layout.unpack(words, None, sampling)
         return sample(logits, sampling, ops)
 
-    return step, sampler
+    @functools.partial(jax.jit, **({"compiler_options": opts} if opts else {}))
+    def logprobs(logits: Any, targets: Any) -> Any:
+        return token_logprobs(logits, targets, ops)
+
+    return step, sampler, logprobs
 
 
 def split_step_here() -> bool:
@@ -289,3 +297,56 @@ class SplitStep(PackedStep):
     def lower(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
         batch, _, words, layout = pack(batch, sampling)
         return self.fn.lower(params, kv, batch, words, layout)
+
+
+class SplitScore(PackedStep):
+    """A CPU engine's score function in "tp" and "batch", score(params, kv, batch, targets) ->
+    (kv, f32 [T]): the step's forward (`fn`: `split_step_fn`'s, possibly behind jdet's
+    executable cache) given the score batch with neutral sampling rows, so that its packed words
+    have the step's layout, then `logprobs`, the sampler's log-softmax, on every row's logits.
+
+    Why: a score used to be a program of its own (jdet/step.py `make_score_fn`), compiled again
+    for every step shape the engine had already compiled for generation. A score batch of T
+    tokens has T logits rows and a step of bucket T has S = min(T, max_num_seqs) rows, so up to
+    max_num_seqs tokens the score runs the step's own forward executable (the same shape, the
+    same layout), and a larger one compiles a forward once. The log-probs are the sampler's
+    function (`token_logprobs` is its log-softmax and gather) of the same f32 logits, so a
+    generated token's log-prob and its score are one computation on a CPU (test_golden's
+    recorded score hashes at TP 1, 2 and 4 are unchanged). `place` puts the token ids on the
+    device as the engine's steps get them (`ModelRunner.place_tokens`): a host array would be
+    another executable."""
+
+    def __init__(self, fn: Callable, logprobs: Callable, place: Callable) -> None:
+        self.fn = fn
+        self.logprobs = logprobs
+        self.place = place
+
+    def _packed(self, batch: Any) -> tuple[Any, Any, Layout]:
+        batch, _, words, layout = pack(self.place(batch), _neutral_rows(batch.page_table.shape[0]))
+        return batch, words, layout
+
+    def __call__(self, params: Any, kv: Any, batch: Any, targets: Any) -> Any:
+        batch, words, layout = self._packed(batch)
+        kv, logits = self.fn(params, kv, batch, words, layout)
+        return kv, self.logprobs(logits, targets)
+
+    def warm(self, params: Any, kv: Any, batch: Any, targets: Any) -> str | None:
+        from jdet import exec_cache
+
+        return exec_cache.prepare(self.fn, params, kv, *self._packed(batch))
+
+    def lower(self, params: Any, kv: Any, batch: Any, targets: Any) -> Any:
+        return self.fn.lower(params, kv, *self._packed(batch))
+
+
+@functools.cache
+def _neutral_rows(S: int) -> Any:
+    """SamplingInputs of S greedy rows: what `pack` needs to lay a score batch out as a step of
+    S sequences (their values reach no output: `SplitScore` runs no sampler)."""
+    from jdet.step import SamplingInputs
+
+    z = np.zeros(S, np.float32)
+    return SamplingInputs(
+        temperature=z, top_k=np.zeros(S, np.int32), top_p=z + 1, seed=np.zeros(S, np.uint32),
+        position=np.zeros(S, np.int32),
+    )  # fmt: skip

@@ -76,6 +76,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
         self._score_cached = False  # score_fn behind the executable cache yet (score_step)
+        self._split_score: tuple[Callable, Callable] | None = None  # a CPU's (forward, logprobs)
         if sharded is None:  # the plan decides (jdet/plan.py `Plan.sharded`)
             from jdet.plan import Plan
 
@@ -120,17 +121,34 @@ class ModelRunner:
             from serving import host_inputs as hi
 
             if hi.split_step_here():  # a CPU: the forward, then the sampler
-                forward, sampler = hi.split_step_fn(self.cfg, invariance, self._mesh)
+                forward, sampler, logprobs = hi.split_step_fn(self.cfg, invariance, self._mesh)
                 self.step_fn = hi.SplitStep(self._exec_cached(forward, "forward"), sampler)
+                if invariance != "none":
+                    # score(): the same forward, then the sampler's log-softmax (`SplitScore`).
+                    # Not "none": XLA's threaded program fuses its score differently, so its
+                    # bits would move (the embedded model's score hash did); it keeps its own
+                    self._split_score = (forward, logprobs)
             else:
                 run = hi.packed_step_fn(self.step_fn, invariance)
                 self.step_fn = hi.PackedStep(self._exec_cached(run, "step"))
 
     def score_step(self) -> Callable:
-        """The teacher-forced score function matching this runner's step."""
+        """The teacher-forced score function matching this runner's step: on a CPU in "tp" and
+        "batch" the step's own forward, then the sampler's log-softmax (serving/host_inputs.py
+        `SplitScore`)."""
         if not self._score_cached:
-            fn = self.score_fn or cached_step_fn(self.cfg, self.invariance, "score")
-            self.score_fn, self._score_cached = self._exec_cached(fn, "score"), True
+            if self._split_score is not None:
+                from serving.host_inputs import SplitScore
+
+                forward, logprobs = self._split_score
+                # its executable-cache entries are the score's: a shape it shares with the
+                # step is one XLA compile (the persistent cache), two entries
+                fn = SplitScore(self._exec_cached(forward, "score"), logprobs, self.place_tokens)
+            else:
+                fn = self._exec_cached(
+                    self.score_fn or cached_step_fn(self.cfg, self.invariance, "score"), "score"
+                )
+            self.score_fn, self._score_cached = fn, True
         return self.score_fn
 
     def _exec_cached(self, fn: Callable, kind: str) -> Callable:

@@ -228,15 +228,19 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     assert cold["hits"] == 0 and off["hits"] == 0
     # the restart compiled nothing: every executable came from a cache
     assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
-    # ... and traced no step: its executable came from jdet's cache (the cold start traced it)
+    # ... and traced no step: its executable came from jdet's cache (the cold start traced it).
+    # On a CPU the score is the step's forward, a jit named `step` (serving/host_inputs.py
+    # `SplitScore`): there the corrupt score entry below is its one trace
     assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == n_step + 1
-    assert "step" not in warm["traced"] and warm["exec"]["loads"] == n_step
+    assert warm["traced"].get("step", 0) == (1 if split else 0)
+    assert warm["exec"]["loads"] == n_step
     # the corrupt score entry: a warning, a compile (an XLA cache hit), the entry rewritten
     # (on a CPU the entry is not rewritten: an executable JAX's persistent cache loaded fails
     # when run after a round trip, jdet/exec_cache.py `warm`; elsewhere it is)
     assert warm["exec"]["errors"] == 1
     assert warm["exec"]["writes"] == (0 if jax.default_backend() == "cpu" else 1)
-    assert "jdet exec cache: could not use" in warm["stderr"] and warm["traced"]["score"] == 1
+    assert "jdet exec cache: could not use" in warm["stderr"]
+    assert warm["traced"].get("step" if split else "score", 0) == 1
     assert [off["exec"][k] for k in ("loads", "writes", "errors")] == [0, 0, 0]
     for other in (warm, off):
         assert other["tokens"] == cold["tokens"]
