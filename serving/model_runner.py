@@ -141,8 +141,9 @@ class ModelRunner:
                 from serving.host_inputs import SplitScore
 
                 forward, logprobs = self._split_score
-                # its executable-cache entries are the score's: a shape it shares with the
-                # step is one XLA compile (the persistent cache), two entries
+                # jdet's executable cache keys it as the score; a shape it shares with a warmed
+                # step compiles once (XLA's persistent cache serves the second, whose entry a
+                # CPU then does not write: jdet/exec_cache.py `warm`)
                 fn = SplitScore(self._exec_cached(forward, "score"), logprobs, self.place_tokens)
             else:
                 fn = self._exec_cached(
