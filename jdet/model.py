@@ -232,8 +232,7 @@ def hidden_states(
 
         @jax.jit
         def one_layer(layer: jax.Array, x: jax.Array, h: Any, kv: dict) -> tuple:
-            lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
-                              layers)  # fmt: skip
+            lp = _layer_weights(layers, layer)
             (x, h, kv), _ = body((x, h, kv), (lp, layer))
             return x, h, kv
 
@@ -254,12 +253,17 @@ def hidden_states(
     # layer on an H100) that the scan's xs needed.
     def step(carry: tuple) -> tuple:
         layer, x, h, kv = carry
-        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
+        lp = _layer_weights(layers, layer)
         (x, h, kv), _ = body((x, h, kv), (lp, layer))
         return layer + 1, x, h, kv
 
     _, x, _, kv = jax.lax.while_loop(lambda c: c[0] < L, step, (jnp.int32(0), x, h, kv))
     return kv, x[:T]
+
+
+def _layer_weights(layers: dict, layer: jax.Array) -> dict:
+    """Layer `layer`'s weights, each read in place from its [L, ...] stack (a dynamic index)."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
 
 
 def _unroll(layers: dict, num_layers: int) -> bool:

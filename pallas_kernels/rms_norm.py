@@ -55,6 +55,14 @@ def warps_for(block_d: int) -> int:
     return 4 if block_d <= 1024 else 8
 
 
+def _compiler_params(block_d: int, interpret: bool):
+    """The Triton launch of every norm kernel here (None in interpret mode): `warps_for(block_d)`
+    warps, one stage; one place, since the warp count is part of the reduction plan."""
+    if interpret:
+        return None
+    return pltriton.CompilerParams(num_warps=warps_for(block_d), num_stages=1)
+
+
 def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int, int] = (0, 0)):
     """One row. With `stacked`, w_ref is the flat [L*D] stack of every layer's weight and the
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
@@ -145,8 +153,7 @@ def _rms_norm_pallas(
     t, d = x.shape
     block_d = block_d_for(d)
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d),
-                                                            num_stages=1)  # fmt: skip
+    params = _compiler_params(block_d, interpret)
     stacked = layer is not None
     operands = [x, w]
     in_specs = [
@@ -205,8 +212,7 @@ def _head_rms_norm_pallas(flat, q_w, k_w, eps: float, layer, *, tokens: int, q_h
     nh = q_heads + 2 * kv_heads
     per = q_heads + kv_heads
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d_for(e)),
-                                                            num_stages=1)  # fmt: skip
+    params = _compiler_params(block_d_for(e), interpret)
     kernel = functools.partial(
         _rms_kernel, eps=eps, block_d=block_d_for(e), stacked=True, heads=(q_heads, kv_heads)
     )
@@ -305,8 +311,7 @@ def _add_rms_norm_pallas(x, parts, w, eps: float, layer):
     t, d = x.shape
     groups = parts.shape[0]
     interpret = _platform.interpret_default()
-    params = None if interpret else pltriton.CompilerParams(num_warps=warps_for(block_d_for(d)),
-                                                            num_stages=1)  # fmt: skip
+    params = _compiler_params(block_d_for(d), interpret)
     row = pl.BlockSpec((None, d), lambda i: (i, 0))
     flat = parts.reshape(-1)
     kernel = functools.partial(

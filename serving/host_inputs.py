@@ -237,13 +237,14 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
         return forward(params, kv, batch)
 
     opts = xla_options(ops)
+    jit = functools.partial(jax.jit, **({"compiler_options": opts} if opts else {}))
 
-    @functools.partial(jax.jit, **({"compiler_options": opts} if opts else {}))
+    @jit
     def sampler(logits: Any, sampling: Any, words: Any, layout: Layout) -> Any:
         _, sampling = layout.unpack(words, None, sampling)
         return sample(logits, sampling, ops)
 
-    @functools.partial(jax.jit, **({"compiler_options": opts} if opts else {}))
+    @jit
     def logprobs(logits: Any, targets: Any) -> Any:
         return token_logprobs(logits, targets, ops)
 
