@@ -53,7 +53,7 @@ GOLDEN = {
 # The embedded model's system_fingerprint (TP 1, page size 16); it also hashes the jdet, JAX and
 # jaxlib versions, the device and the host CPU, so it is checked only where it was recorded.
 FINGERPRINT_ENV = ("0.10.2", "cpu", "AuthenticAMD | AMD EPYC | sse4_2 avx avx2 fma f16c")
-FINGERPRINTS = {"tp": "fp_jdet_b3b253666cff4639", "batch": "fp_jdet_5aef7d7cc073b01f"}  # jdet 0.2.1
+FINGERPRINTS = {"tp": "fp_jdet_75e5bc95140924e6", "batch": "fp_jdet_1ec43bbfbecb23dc"}  # jdet 0.2.2
 
 
 def _sampling_params() -> list[jdet.SamplingParams]:

@@ -23,6 +23,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.tree_matmul import combine_tree, tree_matmul, tree_matmul_partial
 from pallas_kernels.vocab import log_softmax, log_softmax_reference, logsumexp
+from pallas_kernels.xla_fixed import prefix_sum, sort_descending
 from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_batch, make_world
 from tests.pallas_kernels.variants import chunked_sum_by_rows, split_k_by_m
 
@@ -127,6 +128,48 @@ def test_xla_log_softmax_and_logsumexp_match_reference_and_rows_are_invariant(v)
     assert np.abs(np.asarray(logsumexp(x, **XLA)) - lse64).max() < 1e-5
     assert _rows_changed(lambda r: log_softmax(r, **XLA), x) == []
     assert _rows_changed(lambda r: logsumexp(r, **XLA), x) == []
+
+
+@pytest.mark.parametrize("v", [8192, 283])
+def test_xla_prefix_sum_matches_float64_and_rows_are_invariant(v):
+    """The sampler's top-p cumulative mass on a CPU (jdet/sampling.py `_cumulative`)."""
+    x = jnp.abs(_rand(12, (512, v), jnp.float32)) / v
+    ref = np.cumsum(np.asarray(x, np.float64), axis=-1)
+    assert _rel_err(prefix_sum(x), ref) < 1e-6
+    # small integers: every partial sum is exact, so any order gives numpy's bits
+    ints = np.random.default_rng(13).integers(0, 8, (3, v)).astype(np.float32)
+    assert np.array_equal(np.asarray(prefix_sum(jnp.asarray(ints))), np.cumsum(ints, axis=-1))
+    assert _rows_changed(jax.jit(prefix_sum), x) == []
+
+
+def test_negative_control_a_prefix_block_chosen_from_the_row_count_changes_row_bits():
+    x = jnp.abs(_rand(12, (512, 8192), jnp.float32)) / 8192
+    changed = _rows_changed(jax.jit(lambda r: prefix_sum(r, 64 if r.shape[0] < 8 else 128)), x)
+    assert changed == [1, 2, 3, 7], changed
+
+
+def _sort_input() -> np.ndarray:
+    """Logits as the sampler sorts them: -inf (masked), +-0, ties, +inf, a wide range."""
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((5, 1000)) * 4).astype(np.float32)
+    x[:, :100] = np.round(x[:, :100])
+    for value, frac in ((-np.inf, 0.2), (0.0, 0.05), (-0.0, 0.05), (np.inf, 0.01)):
+        x[rng.random(x.shape) < frac] = value
+    return x
+
+
+def test_sort_descending_gives_the_float_sorts_values():
+    """The sampler's top-k/top-p sort on a CPU (jdet/sampling.py `_descending`)."""
+    x = _sort_input()
+    out = np.asarray(sort_descending(jnp.asarray(x)))
+    assert np.array_equal(out, np.sort(x, axis=-1)[:, ::-1])
+    assert np.array_equal(out, np.asarray(-jnp.sort(-jnp.asarray(x), axis=-1)))
+
+
+def test_negative_control_raw_float_bits_as_keys_misorder_the_negatives():
+    x = _sort_input()
+    raw = np.sort(x.view(np.int32), axis=-1)[:, ::-1].copy().view(np.float32)
+    assert not np.array_equal(raw, np.sort(x, axis=-1)[:, ::-1])
 
 
 def test_negative_control_a_row_sum_chunked_by_row_count_changes_row_bits():
