@@ -6,22 +6,21 @@ filter: on a GPU a sort of the [S, V] logits every step, ~0.085 ms at S = 1, V =
 run any variant that *covers* its rows (filter on if some row has top_k > 0 or top_p < 1; top
 log-probs if some request asked for them), with the same bits for every row (jdet/sampling.py
 says why; tests/jdet/test_sampler_variants.py checks it). Each variant is another executable
-per step shape, so the engine runs only the variants of `engine_variants()` (both on a GPU, FULL
-alone on a CPU once warmed up) and warm-up compiles exactly those: a step takes the first
-(cheapest) that covers it.
+(on a GPU a step per shape, on a CPU a sampler per row bucket), so the engine runs only the
+variants of `engine_variants()` (LEAN and FULL on a GPU, GREEDY and FULL on a CPU) and warm-up
+compiles exactly those: a step takes the first (cheapest) that covers it.
 
-Why two, not all four: every variant multiplies the executables warm-up compiles (~5 s a shape
-on a CPU for the embedded model, ~3 s on an H100 for an 8B model). "lean" serves what needs
+Why two, not all four, on a GPU: every variant multiplies the step executables warm-up compiles
+(~3 s a shape on an H100 for an 8B model). "lean" serves what needs
 neither — greedy and plain-temperature decoding, log-probs without top log-probs (the RL and
 evaluation cases) — and "full" the rest, as every step ran before. A step that needs only one
 of the two (top-p chat without log-probs) pays for the other, as it did before.
 
 A third, "greedy" (`GREEDY`: no draw, no logits transforms either: SamplingInputs.draw False,
 logits None), is the smallest step; it serves steps whose rows are all greedy without
-penalties, bias, masks or min-p. Only an engine that compiles the variants it meets, one at a
-time, runs it: `jdet generate` (`ON_DEMAND`), where its step compiles in ~1/4 less time than
-the lean one on a CPU (BENCHMARKS.md, issue 17); an engine that warms up would compile it for
-every shape besides the others.
+penalties, bias, masks or min-p. A CPU engine runs it beside FULL (`engine_variants` says why);
+`jdet generate` compiles the variants it meets, one at a time (`ON_DEMAND`: its first step
+compiles in ~1/4 less time than the lean one on a CPU, BENCHMARKS.md, issue 17).
 """
 
 from __future__ import annotations
@@ -79,21 +78,29 @@ ON_DEMAND = (GREEDY, LEAN, FULL)
 VARIANTS: tuple[Variant, ...] | None = None
 
 
-def engine_variants(warmed: bool = False) -> tuple[Variant, ...]:
-    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator; on a CPU (LEAN, FULL) for an
-    engine that compiles as it goes (`jdet generate`: its one executable is smaller lean, cold
-    generate 5.8-6.8 s full vs 4.9-5.7 s lean, load 0.5-1.7) and FULL alone once it warms up.
-    Why not LEAN after a CPU warm-up: there it saves ~0.03 ms of a ~5 ms embedded-model step
-    (sampler alone 0.161 -> 0.134 ms at batch 1), while warm-up compiles every shape once per
-    variant (cold warm-up 1.5-1.8x on the 2-core machine, BENCHMARKS "the sampler's lean
-    variant"), and a CPU is where compile time hurts (issue 17). On a GPU the sort it skips is
-    ~0.085 ms a step."""
+CPU_VARIANTS = (GREEDY, FULL)
+
+
+def engine_variants() -> tuple[Variant, ...]:
+    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator, `CPU_VARIANTS` (GREEDY, FULL)
+    on a CPU, warmed up or compiling as it goes (`jdet generate` sets its own, `ON_DEMAND`).
+
+    Why GREEDY and FULL on a CPU: there the sampler is an executable of its own per (rows,
+    vocabulary, variant) (serving/host_inputs.py `SplitStep`), so a variant costs its sampler's
+    compile per row bucket, not a step per shape. GREEDY's is 0.03 s (V = 8192, N = 8; FULL
+    0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
+    greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at
+    N = 8 (2-core box). LEAN would add its compile for ~0.03 ms a step (0.161 -> 0.134 ms at
+    batch 1, BENCHMARKS "the sampler's lean variant"). Until session 13 a warmed-up CPU engine
+    ran FULL alone, from when a CPU step was one program and every variant a step compile per
+    shape (cold warm-up 1.5-1.8x). On a GPU the step is one program: there LEAN saves the
+    filter's sort, ~0.085 ms a step, for one step compile per shape."""
     if VARIANTS is not None:
         return VARIANTS
     from pallas_kernels import _platform
 
-    if warmed and _platform.platform() == "cpu":
-        return (FULL,)
+    if _platform.platform() == "cpu":
+        return CPU_VARIANTS
     return (LEAN, FULL)
 
 

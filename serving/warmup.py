@@ -63,7 +63,7 @@ def warmup(
     from jdet import exec_cache
 
     if kind == "step":  # from now on the steps run only the variants compiled here
-        runner.variants = sampler_variants.engine_variants(warmed=True)
+        runner.variants = sampler_variants.engine_variants()
         runner._ahead_key = None  # rows kept with a variant of the wider set
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     ns = len(runner.shapes.all())

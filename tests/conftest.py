@@ -35,16 +35,13 @@ os.environ.setdefault("JDET_WARMUP", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from serving import sampler_variants as _sampler_variants  # noqa: E402
-
-# Test engines compile one sampler variant (FULL) per step shape, as a warmed-up CPU engine
-# (jdet.LLM, the server) does: an engine that compiles as it goes (JDET_WARMUP=0 above) would
-# otherwise compile LEAN and FULL for every shape of a test that mixes plain rows with top-k or
-# top-log-prob rows, i.e. twice the compile time for no extra coverage. The lean and greedy paths
-# and their bit equality with FULL have their own tests, which set VARIANTS themselves
-# (tests/serving/test_sampler_variants.py, test_host_path.py; tests/jdet/test_sampler_variants.py
-# calls the sampler directly), and `jdet generate` sets its own set (jdet/cli.py).
-_sampler_variants.VARIANTS = (_sampler_variants.FULL,)
+# Test engines run the product's sampler variants (serving/sampler_variants.py `engine_variants`:
+# GREEDY and FULL on a CPU, LEAN and FULL on a GPU). Until session 13 they were held to FULL, as
+# a warmed-up CPU engine then ran: FULL's sampler is ~0.8 s to compile on a CPU, GREEDY's 0.03.
+# The other sets and their bit equality with FULL have their own tests, which set VARIANTS
+# themselves (tests/serving/test_sampler_variants.py, test_host_path.py; tests/jdet/
+# test_sampler_variants.py calls the sampler directly), and `jdet generate` sets its own set
+# (jdet/cli.py).
 
 TINY = dict(
     vocab_size=283,

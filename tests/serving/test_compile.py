@@ -220,7 +220,7 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     # or on a CPU its forward, one for every variant (the sampler apart, in XLA's cache:
     # serving/host_inputs.py `SplitStep`)
     split = split_step_here()
-    n_step = 1 if split else len(sampler_variants.engine_variants(warmed=True))
+    n_step = 1 if split else len(sampler_variants.engine_variants())
     step = "forward" if split else "step"
     assert sorted(entries) == sorted(["score", step]) and len(files) == n_step + 1
     entries["score"].write_bytes(b"corrupt")
