@@ -352,9 +352,10 @@ def prefix_sum(x: jax.Array, block: int = PREFIX_BLOCK) -> jax.Array:
     Why not `lax.associative_scan` (the sampler's top-p cumulative mass on a GPU): on a CPU its
     log2(V) levels of pads, slices and adds become ~40 fusions, each compiled by XLA CPU's
     emitters (~10 ms apiece): 0.57 s of the sampler's 1.5 s compile at V = 8192, for one cumsum
-    of [N, V]. These two rolled loops compile in 0.19 s and run as fast (0.22 vs 0.23 ms at N = 8,
-    V = 8192; benchmarks/sampler_compile.py). Not `jnp.cumsum` (XLA's reduce-window rewrite,
-    0.11 s): its order is XLA's choice, which a compiler version may change."""
+    of [N, V]. These two rolled loops compile in 0.17 s and run about as fast (0.31 vs 0.27 ms
+    at N = 8, V = 8192; benchmarks/sampler_compile.py, BENCHMARKS.md session 13). Not `jnp.cumsum`
+    (XLA's reduce-window rewrite, 0.11 s): its order is XLA's choice, which a compiler version
+    may change."""
     x = x.astype(jnp.float32)
     n, v = x.shape
     nb = -(-v // block)
