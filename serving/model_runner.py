@@ -113,7 +113,8 @@ class ModelRunner:
         self.shapes_seen: set[tuple[int, int, int]] = set()
         self._ahead_key: tuple | None = None  # prepare_ahead's sampling rows of the last plan
         self._ahead_val: tuple | None = None
-        # the sampler variants steps may run; warm-up narrows them on a CPU (sampler_variants.py)
+        # the sampler variants steps may run (sampler_variants.py `engine_variants`); warm-up
+        # compiles exactly these
         self.variants = sampler_variants.engine_variants()
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache

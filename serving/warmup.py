@@ -63,8 +63,8 @@ def warmup(
     from jdet import exec_cache
 
     if kind == "step":  # from now on the steps run only the variants compiled here
-        runner.variants = sampler_variants.engine_variants()
-        runner._ahead_key = None  # rows kept with a variant of the wider set
+        runner.variants = sampler_variants.engine_variants()  # the set now (tests may set it)
+        runner._ahead_key = None  # rows prepared with a variant of an earlier set
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     ns = len(runner.shapes.all())
     shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
