@@ -76,7 +76,8 @@ def same(a: tuple, b: tuple) -> bool:
 
 @pytest.fixture(scope="module", autouse=True)
 def both_variants():
-    """On a CPU the engine runs FULL alone (`engine_variants` says why); these tests run both."""
+    """An engine runs `engine_variants()` (GREEDY and FULL on a CPU, LEAN and FULL on a GPU);
+    these tests run LEAN and FULL on every platform, the pair whose bits they compare."""
     old = sampler_variants.VARIANTS
     sampler_variants.VARIANTS = (LEAN, FULL)
     yield
