@@ -12,8 +12,8 @@ from jdet import compile_cache
 from serving.engine import Engine
 
 # Every step's S bucket equals the decode step's T bucket (S = min(T, 4) = 4 for T >= 4), so
-# every decode step can go ahead. test_host_path.py runs this engine with a budget of 16, sharing
-# its step executables (its comment says why): change the two together.
+# every decode step can go ahead. test_host_path.py runs this engine with a budget of 16 (its
+# SETTINGS derive from these), sharing its step executables.
 SETTINGS = dict(
     invariance="tp", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, page_size=8,
     num_pages=40, min_tokens_bucket=4, min_pages_bucket=8,

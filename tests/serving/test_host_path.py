@@ -10,15 +10,13 @@ import numpy as np
 
 from serving.engine import Engine
 from serving.sampler_variants import FULL, LEAN
+from tests.serving.test_async import SETTINGS as ASYNC_SETTINGS
 
-# test_async.py's engine but for the token budget (16 here, 32 there), the same KV pool: the step
-# shapes this module runs (T = 4, 8, 16) are three of test_async's, one executable each for the
-# run (the same process's jit cache, or the run's compile cache on the other xdist worker), not
-# three more compiles (~7 CPU s). Nothing here depends on the pool's size.
-SETTINGS = dict(
-    invariance="tp", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, page_size=8,
-    num_pages=40, min_tokens_bucket=4, min_pages_bucket=8,
-)  # fmt: skip
+# test_async.py's engine with a token budget of 16 (32 there): the step shapes this module runs
+# (T = 4, 8, 16) are three of test_async's, one executable each for the run (the same process's
+# jit cache, or the run's compile cache on the other xdist worker), not three more compiles
+# (~7 CPU s). Nothing here depends on the KV pool's size.
+SETTINGS = {**ASYNC_SETTINGS, "max_num_batched_tokens": 16}
 
 
 def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
