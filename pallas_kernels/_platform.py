@@ -53,12 +53,29 @@ def resolve(backend: str | None, name: str) -> str:
     return backend
 
 
+@functools.cache
+def host_cpu_flags() -> frozenset:
+    """The host CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere): XLA CPU compiles
+    for the host's instruction set, so some measured CPU-path properties hold for some only."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def kernel_backend() -> str:
     """A name for the kernel implementation the invariant modes run here (its bits differ from
     the others'): 'xla-fixed-cpu', 'pallas-interpret', 'mosaic-gpu', 'pallas-triton' or
     'pallas-<platform>'. The system fingerprint includes it."""
     if xla_fixed_default():
-        return "xla-fixed-cpu"
+        from pallas_kernels import xla_fixed
+
+        # the small row blocks off (not verified here, or forced) may give other bits
+        return "xla-fixed-cpu" if xla_fixed.SMALL_ROW_BLOCKS else "xla-fixed-cpu/8-row"
     if interpret_default():
         return "pallas-interpret"
     if is_hopper():

@@ -92,13 +92,14 @@ into the add it alone feeds; only the choice between two products follows the ge
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import xla_blocked
-from pallas_kernels._platform import as_float, kv_compute_dtype
+from pallas_kernels._platform import as_float, host_cpu_flags, kv_compute_dtype
 from pallas_kernels.xla_blocked import BlockedWeight, blocked_products
 
 # Rows of every matmul dot. Fixed: it is part of the plan (changing it may change bits).
@@ -108,7 +109,42 @@ BM = 8
 # m = 2..7 (benchmarks/row_block_probe.py, at every K probed; tests/pallas_kernels/
 # test_xla_fixed_row_blocks.py checks model shapes), but not for m = 1 (a matrix-vector path,
 # other bits for K >= 384): a 1-row product pads to 2 rows. 0 turns them off (BM rows always).
-SMALL_ROW_BLOCKS = 1
+# That equality is a measured property of one XLA on one instruction set, not a construction, so
+# the small blocks are on only where it was measured (`small_row_blocks_verified`); elsewhere
+# every product runs BM-row dots, invariant by construction (a batch-1 CPU decode is then slower:
+# 234-259 -> 167-171 tok/s for the embedded model on the CI machine, serving/shapes.py).
+SMALL_ROW_BLOCKS_ENV = "JDET_SMALL_ROW_BLOCKS"  # "1" / "0": force them on / off (measurements)
+# jaxlib versions whose XLA CPU was measured to keep the rows (the CI machine's 0.10.2, x86-64
+# with AVX2). Not 0.11.2: on the H100 host's Xeon its 2- and 4-row dots gave rows other than
+# the 8-row dot's at K = 1536 and 4096 (f32 and bf16), also with `--xla_cpu_max_isa=AVX2` and
+# with the XNNPACK/YNNPACK/oneDNN fusions off, so it is the compiler, not the ISA (BENCHMARKS.md,
+# "CPU bits across JAX versions", session 16).
+SMALL_ROW_BLOCKS_JAXLIB = ("0.10.",)
+
+
+def small_row_blocks_verified(jaxlib_version: str, machine: str, cpu_flags: frozenset) -> bool:
+    """Whether the small row blocks' equality was measured for this jaxlib and CPU: a listed
+    jaxlib on x86-64 without AVX-512 (whose wider vectors LLVM would use: not measured)."""
+    return (
+        machine.lower() in ("x86_64", "amd64")
+        and "avx512f" not in cpu_flags
+        and jaxlib_version.startswith(SMALL_ROW_BLOCKS_JAXLIB)
+    )
+
+
+def _small_row_blocks_default() -> int:
+    env = os.environ.get(SMALL_ROW_BLOCKS_ENV, "").strip().lower()
+    if env:
+        return int(env in ("1", "true", "yes"))
+    import platform
+
+    import jaxlib
+
+    return int(small_row_blocks_verified(jaxlib.__version__, platform.machine(),
+                                         host_cpu_flags()))  # fmt: skip
+
+
+SMALL_ROW_BLOCKS = _small_row_blocks_default()
 
 
 def row_block(m: int) -> int:

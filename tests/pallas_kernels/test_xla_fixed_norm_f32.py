@@ -27,6 +27,7 @@ import pytest
 
 from jdet.step import CPU_XLA_OPTIONS
 from pallas_kernels import xla_fixed
+from tests.pallas_kernels import variants
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="the contraction is XLA's CPU backend's"
@@ -122,9 +123,19 @@ def plain_squares(monkeypatch):
 
 
 @pytest.mark.parametrize("heads, lanes", HEAD_SHAPES)
-def test_negative_control_plain_f32_squares_are_contracted(plain_squares, heads, lanes):
-    """x * x: the 16-row step's head-norm sums are not numpy's plain expression (each square
-    rounded, then added): LLVM fused squares into the first level."""
+def test_negative_control_contracted_f32_squares_leave_the_expression(
+    plain_squares, monkeypatch, heads, lanes
+):
+    """The comparison above fails on contracted squares. Everywhere: squares contracted into the
+    first level by construction (variants.contracted_sum_squares). Where LLVM's contraction by
+    shape was observed (variants.contraction_by_shape_measured: the CI machine's jaxlib 0.10), also
+    the plain x * x: the 16-row step's head-norm sums are not numpy's plain expression (each
+    square rounded, then added), since LLVM fused squares into the first level. JAX 0.11.2 on an
+    AVX-512 Xeon did not fuse them here (session 16), which is why that half is not asserted
+    there: what it shows is a compiler's choice, not a construction."""
     h, w = _inputs(heads, lanes)
     want = _tree_np(_square_np(_projection(h, w).reshape(-1, lanes), False))
+    if variants.contraction_by_shape_measured():
+        assert not np.array_equal(_head_sums(h, w, lanes), want)
+    monkeypatch.setattr(xla_fixed, "sum_squares", variants.contracted_sum_squares)
     assert not np.array_equal(_head_sums(h, w, lanes), want)

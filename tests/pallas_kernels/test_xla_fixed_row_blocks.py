@@ -6,6 +6,10 @@ That holds because XLA CPU computes every row of an [m, K] x [K, 128] dot the sa
 a matrix-vector path whose bits differ once K >= 384, which is why a 1-row product pads to 2 rows.
 These tests hold the row block to that at the shapes models use (BIO and tree plans, arrays and
 blocked weights); the negative control runs 1-row blocks and must see a row change.
+
+The equality is measured, not constructed, so the small blocks are on only for the jaxlib and CPU
+where it was measured (`xla_fixed.small_row_blocks_verified`; JAX 0.11.2 broke it on an AVX-512
+Xeon). Where they are off, the same tests hold every product of 1-7 rows to 8-row dots.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import xla_blocked, xla_fixed
+from pallas_kernels import _platform, xla_blocked, xla_fixed
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="the row blocks are XLA CPU's dots"
@@ -45,7 +49,8 @@ def test_small_row_blocks_give_each_row_the_8_row_blocks_bits(dtype, k, n, num_l
     a = _rand(0, (8, k), dtype)
     b = _rand(1, (k, n), dtype, k**-0.5)
     leaf_k = k // num_leaves
-    assert [xla_fixed.row_block(m) for m in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
+    small = [2, 2, 4, 4, 8, 8] if xla_fixed.SMALL_ROW_BLOCKS else [8] * 6
+    assert [xla_fixed.row_block(m) for m in (1, 2, 3, 4, 5, 8)] == small
     assert _rows_changed(a, jnp.asarray(b), leaf_k, num_leaves) == []
     if dtype == jnp.bfloat16:  # the engine's weights: bf16 bits held for f32 dots, blocked
         w = xla_blocked.block_weight(b, num_leaves=num_leaves, leaf_k=leaf_k, bn=xla_fixed.BN,
@@ -63,3 +68,38 @@ def test_negative_control_one_row_blocks_change_a_row_at_a_wide_k(monkeypatch):
         assert _rows_changed(a, b, 1024, 1) == [1]
     finally:
         xla_fixed.tree_subtree.clear_cache()  # no 1-row trace left for other tests
+
+
+def test_small_row_blocks_are_on_only_where_measured(monkeypatch):
+    """The gate: a listed jaxlib on x86-64 without AVX-512, else off; JDET_SMALL_ROW_BLOCKS
+    forces either way. This machine's setting is the gate's answer for it."""
+    verified = xla_fixed.small_row_blocks_verified
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert verified("0.10.2", "x86_64", avx2)
+    assert not verified("0.11.2", "x86_64", avx2)  # measured: other rows (module docstring)
+    assert not verified("0.10.2", "x86_64", avx2 | {"avx512f"})
+    assert not verified("0.10.2", "aarch64", frozenset())
+    monkeypatch.delenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, raising=False)
+    import platform
+
+    import jaxlib
+
+    here = verified(jaxlib.__version__, platform.machine(), _platform.host_cpu_flags())
+    assert xla_fixed._small_row_blocks_default() == int(here)
+    for value, want in (("1", 1), ("0", 0), ("true", 1)):
+        monkeypatch.setenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, value)
+        assert xla_fixed._small_row_blocks_default() == want
+
+
+def test_without_small_row_blocks_every_product_runs_8_row_dots(monkeypatch):
+    """Off, a 1-row product pads to an 8-row dot, and so its row is the 8-row product's: the
+    equality by construction that unmeasured machines rely on (K = 4096, where JAX 0.11.2's 2-row
+    dot gave another row)."""
+    a, b = _rand(4, (8, 4096), jnp.float32), jnp.asarray(_rand(5, (4096, 384), jnp.float32))
+    xla_fixed.tree_subtree.clear_cache()
+    monkeypatch.setattr(xla_fixed, "SMALL_ROW_BLOCKS", 0)
+    try:
+        assert [xla_fixed.row_block(m) for m in (1, 2, 4, 8)] == [8, 8, 8, 8]
+        assert _rows_changed(a, b, 4096, 1) == []
+    finally:
+        xla_fixed.tree_subtree.clear_cache()

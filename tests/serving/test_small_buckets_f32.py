@@ -27,8 +27,14 @@ PROMPTS = ["The quick brown fox jumps", "Deterministic inference means"]
 PARAMS = jdet.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def _decode(model) -> tuple[jdet.LLM, list, list]:
+def _decode(model, monkeypatch) -> tuple[jdet.LLM, list, list]:
     """(engine, outputs decoded together (T = 8 steps), each decoded alone (T = 1))."""
+    # The 1-token bucket asked for: by default it exists only where the small row blocks are
+    # verified (serving/shapes.py `single_token_bucket`; elsewhere a T = 1 step runs 8-row dots),
+    # and the T = 1 step is what this tests, everywhere.
+    import serving.shapes
+
+    monkeypatch.setattr(serving.shapes, "single_token_bucket", lambda: True)
     # a budget of 8 and short sequences: two step shapes (T = 1, 8) and one score shape compile
     llm = jdet.LLM(model, invariance="tp", warmup=False, max_num_batched_tokens=8,
                    max_model_len=64, num_pages=16)  # fmt: skip
@@ -38,9 +44,10 @@ def _decode(model) -> tuple[jdet.LLM, list, list]:
     return llm, together, alone
 
 
-def test_f32_batch_1_decode_has_the_bits_of_the_batched_decode_and_score(serving_model):
+def test_f32_batch_1_decode_has_the_bits_of_the_batched_decode_and_score(serving_model,
+                                                                          monkeypatch):
     assert serving_model.dtype == np.float32
-    llm, together, alone = _decode(serving_model)
+    llm, together, alone = _decode(serving_model, monkeypatch)
     for out, one in zip(together, alone, strict=True):
         assert list(one.token_ids) == list(out.token_ids)
         assert np.array_equal(np.float32(one.logprobs), np.float32(out.logprobs))
@@ -54,20 +61,27 @@ def test_f32_batch_1_decode_has_the_bits_of_the_batched_decode_and_score(serving
 
 @pytest.fixture
 def plain_rope(monkeypatch):
-    """The step with the plain RoPE expression; JAX's caches are cleared before and after, so the
+    """The step with the plain RoPE expression where LLVM's contraction by shape was observed
+    (tests/pallas_kernels/variants.py `contraction_by_shape_measured`), elsewhere with a
+    contraction chosen by the step's rows by construction (`contracted_rope_by_rows`: JAX 0.11.2
+    did not contract by shape where 0.10.2 did). JAX's caches are cleared before and after, so the
     control traces its own steps and leaves none (test_small_buckets.py's fixture)."""
     import jdet.ops
     from jdet.model import apply_rope
+    from tests.pallas_kernels import variants
 
+    rope = apply_rope if variants.contraction_by_shape_measured() else \
+        variants.contracted_rope_by_rows  # fmt: skip
     jax.clear_caches()
-    monkeypatch.setattr(jdet.ops.Ops, "rope", lambda self, x, cos, sin: apply_rope(x, cos, sin))
+    monkeypatch.setattr(jdet.ops.Ops, "rope", lambda self, x, cos, sin: rope(x, cos, sin))
     yield
     monkeypatch.undo()
     jax.clear_caches()
 
 
-def test_negative_control_plain_rope_makes_the_f32_batch_1_decode_differ(serving_model, plain_rope):
-    _, together, alone = _decode(serving_model)
+def test_negative_control_plain_rope_makes_the_f32_batch_1_decode_differ(serving_model, plain_rope,
+                                                                        monkeypatch):
+    _, together, alone = _decode(serving_model, monkeypatch)
     assert any(
         not np.array_equal(np.float32(one.logprobs), np.float32(out.logprobs))
         for out, one in zip(together, alone, strict=True)
