@@ -6,7 +6,11 @@ values are TP 1's, which were recorded before the refactor; TP 4 itself was adde
 
 The values were recorded on a CPU (the fixed-order XLA kernel path) with JAX 0.10.2 at commit
 38ffb3b, before the issue-14 refactor. They are CPU values: a GPU runs other kernels (other bits),
-so the module skips there. If a change is meant to change the bits, say so in its commit message
+so the module skips there. They are also one XLA's values on one instruction set: XLA CPU compiles
+for the host, and JAX 0.11.2 on an AVX-512 Xeon gave the same tokens and other log-prob bits
+(session 16). So the log-prob hashes are compared where they were recorded (`GOLDEN_ENV`: JAX
+version, CPU vendor and instruction set); elsewhere the tokens are, and the test says why it
+stops there. If a change is meant to change the bits, say so in its commit message
 and record the new values with `python tests/jdet/test_golden.py`.
 """
 
@@ -54,6 +58,16 @@ GOLDEN = {
 # jaxlib versions, the device and the host CPU, so it is checked only where it was recorded.
 FINGERPRINT_ENV = ("0.10.2", "cpu", "AuthenticAMD | AMD EPYC | sse4_2 avx avx2 fma f16c")
 FINGERPRINTS = {"tp": "fp_jdet_75e5bc95140924e6", "batch": "fp_jdet_1ec43bbfbecb23dc"}  # jdet 0.2.2
+# Where GOLDEN's log-prob bits hold: FINGERPRINT_ENV less the CPU's model name (a virtual
+# machine's label), keeping its vendor (rsqrt estimates differ between vendors) and features.
+GOLDEN_ENV = ("0.10.2", "cpu", "AuthenticAMD", "sse4_2 avx avx2 fma f16c")
+
+
+def _env() -> tuple[str, ...]:
+    from jdet.fingerprint import host_cpu
+
+    vendor, _model, features = host_cpu().split(" | ")
+    return (jax.__version__, jax.devices()[0].platform, vendor, features)
 
 
 def _sampling_params() -> list[jdet.SamplingParams]:
@@ -104,6 +118,9 @@ def model() -> jdet.Model:
 def test_embedded_model_outputs_match_the_recorded_bits(model, invariance, tp):
     got = run(model, invariance, tp)
     assert got["tokens"] == TOKENS
+    if _env() != GOLDEN_ENV:
+        pytest.skip(f"tokens held; the log-prob bits were recorded on {GOLDEN_ENV}, this is "
+                    f"{_env()} (XLA CPU's bits follow its version and the host's ISA)")  # fmt: skip
     assert (got["gen"], got["score"]) == GOLDEN[(invariance, tp)]
     from jdet.fingerprint import host_cpu
 
