@@ -71,14 +71,15 @@ def test_negative_control_one_row_blocks_change_a_row_at_a_wide_k(monkeypatch):
 
 
 def test_small_row_blocks_are_on_only_where_measured(monkeypatch):
-    """The gate: a listed jaxlib on x86-64 without AVX-512, else off; JDET_SMALL_ROW_BLOCKS
-    forces either way. This machine's setting is the gate's answer for it."""
+    """The gate: a listed jaxlib on x86-64 with AVX2 and without AVX-512, else off;
+    JDET_SMALL_ROW_BLOCKS forces either way. This machine's setting is the gate's answer."""
     verified = xla_fixed.small_row_blocks_verified
     avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
     assert verified("0.10.2", "x86_64", avx2)
     assert not verified("0.11.2", "x86_64", avx2)  # measured: other rows (module docstring)
     assert not verified("0.10.2", "x86_64", avx2 | {"avx512f"})
     assert not verified("0.10.2", "aarch64", frozenset())
+    assert not verified("0.10.2", "x86_64", frozenset())  # flags unknown (no /proc/cpuinfo)
     monkeypatch.delenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, raising=False)
     import platform
 

@@ -122,5 +122,5 @@ def contracted_sum_squares(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     x = xla_fixed._pad_axis(x, -1, xla_fixed._next_pow2(x.shape[-1]))
     h = x.shape[-1] // 2
-    lo, hi = x[..., :h], x[..., h:]
-    return xla_fixed.tree_sum(contracted(lo, lo, product(hi, hi)))
+    left, right = x[..., :h], x[..., h:]
+    return xla_fixed.tree_sum(contracted(left, left, product(right, right)))
