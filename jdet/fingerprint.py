@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -50,13 +49,12 @@ def host_cpu() -> str:
     across machines that do not give them. Linux's /proc/cpuinfo; elsewhere `platform`."""
     import platform
 
-    try:
-        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
+    from pallas_kernels import _platform
+
+    fields = _platform.host_cpu_fields()
+    if fields is None:
         return f"{platform.machine()} {platform.processor()}".strip()
-    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
+    flags = _platform.host_cpu_flags()
     have = [f for f in _CPU_FEATURES if f in flags]
     return " | ".join((fields.get("vendor_id", "?"), fields.get("model name", "?"), " ".join(have)))
 

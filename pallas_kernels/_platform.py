@@ -54,17 +54,23 @@ def resolve(backend: str | None, name: str) -> str:
 
 
 @functools.cache
-def host_cpu_flags() -> frozenset:
-    """The host CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere): XLA CPU compiles
-    for the host's instruction set, so some measured CPU-path properties hold for some only."""
+def host_cpu_fields() -> dict[str, str] | None:
+    """The first processor's fields of Linux's /proc/cpuinfo (vendor_id, model name, flags,
+    ...), or None where there is none. XLA CPU compiles for the host's instruction set, so the
+    CPU path's bits, and some of its measured properties, follow it (jdet/fingerprint.py
+    `host_cpu`, xla_fixed.py `small_row_blocks_verified`)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            info = f.read().split("\n\n")[0]
     except OSError:
-        pass
-    return frozenset()
+        return None
+    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
+    return {k.strip(): v.strip() for k, v in fields.items()}
+
+
+def host_cpu_flags() -> frozenset:
+    """The host CPU's feature flags (`host_cpu_fields`; empty where unknown)."""
+    return frozenset((host_cpu_fields() or {}).get("flags", "").split())
 
 
 def kernel_backend() -> str:

@@ -134,16 +134,20 @@ def small_row_blocks_verified(jaxlib_version: str, machine: str, cpu_flags: froz
     )
 
 
-def _small_row_blocks_default() -> int:
-    env = os.environ.get(SMALL_ROW_BLOCKS_ENV, "").strip().lower()
-    if env:
-        return int(env in ("1", "true", "yes"))
+def small_row_blocks_verified_here() -> bool:
+    """`small_row_blocks_verified` for this process's jaxlib and host CPU."""
     import platform
 
     import jaxlib
 
-    return int(small_row_blocks_verified(jaxlib.__version__, platform.machine(),
-                                         host_cpu_flags()))  # fmt: skip
+    return small_row_blocks_verified(jaxlib.__version__, platform.machine(), host_cpu_flags())
+
+
+def _small_row_blocks_default() -> int:
+    env = os.environ.get(SMALL_ROW_BLOCKS_ENV, "").strip().lower()
+    if env:
+        return int(env in ("1", "true", "yes"))
+    return int(small_row_blocks_verified_here())
 
 
 SMALL_ROW_BLOCKS = _small_row_blocks_default()

@@ -14,8 +14,11 @@ Xeon). Where they are off, the same tests hold every product of 1-7 rows to 8-ro
 
 from __future__ import annotations
 
+import platform
+
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -81,11 +84,8 @@ def test_small_row_blocks_are_on_only_where_measured(monkeypatch):
     assert not verified("0.10.2", "aarch64", frozenset())
     assert not verified("0.10.2", "x86_64", frozenset())  # flags unknown (no /proc/cpuinfo)
     monkeypatch.delenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, raising=False)
-    import platform
-
-    import jaxlib
-
-    here = verified(jaxlib.__version__, platform.machine(), _platform.host_cpu_flags())
+    here = xla_fixed.small_row_blocks_verified_here()
+    assert here == verified(jaxlib.__version__, platform.machine(), _platform.host_cpu_flags())
     assert xla_fixed._small_row_blocks_default() == int(here)
     for value, want in (("1", 1), ("0", 0), ("true", 1)):
         monkeypatch.setenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, value)

@@ -57,15 +57,9 @@ def contraction_by_shape_measured() -> bool:
     (sessions 10-12: jaxlib 0.10 on x86-64 with AVX2): the controls that show the compiler
     contracting (plain RoPE, plain f32 squares) assert it there. JAX 0.11.2 on an AVX-512 Xeon
     did not contract those programs (session 16), so elsewhere the controls assert
-    `contracted_*` below, which contract by construction."""
-    import platform
-
-    import jaxlib
-
-    from pallas_kernels import _platform
-
-    return xla_fixed.small_row_blocks_verified(jaxlib.__version__, platform.machine(),
-                                               _platform.host_cpu_flags())  # fmt: skip
+    `contracted_*` below, which contract by construction. The same XLA and CPU as the small
+    row blocks were measured on."""
+    return xla_fixed.small_row_blocks_verified_here()
 
 
 def _split12(x: jax.Array) -> tuple[jax.Array, jax.Array]:
