@@ -268,6 +268,13 @@ def matmul(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
 EXACT_F32_SQUARES = 1
 
 
+def hi12(x: jax.Array) -> jax.Array:
+    """f32 x truncated to its 12 leading significant bits: x - hi12(x) is exact (<= 12 bits),
+    and the product of two such parts is exact in f32."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _square(x: jax.Array) -> jax.Array:
     """x^2 in f32 for rms_norm, such that no FMA contraction can change a bit of it or of the
     tree's first level (module docstring, "FMA contraction"). A 16-bit float's square (<= 22
@@ -283,8 +290,7 @@ def _square(x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     if jnp.finfo(x.dtype).nmant + 1 <= 12 or not EXACT_F32_SQUARES:
         return x32 * x32
-    bits = lax.bitcast_convert_type(x32, jnp.uint32) & jnp.uint32(0xFFFFF000)
-    hi = lax.bitcast_convert_type(bits, jnp.float32)
+    hi = hi12(x32)
     lo = x32 - hi  # exact
     return hi * hi + (lo * (hi + hi) + lo * lo)
 

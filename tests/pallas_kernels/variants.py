@@ -64,8 +64,7 @@ def contraction_by_shape_measured() -> bool:
 
 def _split12(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """f32 x = hi + lo, hi its 12 leading significant bits, lo the exact rest (<= 12 bits)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000)
-    hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    hi = xla_fixed.hi12(x)
     return hi, x - hi
 
 
