@@ -71,8 +71,8 @@ class SamplingInputs:
 
     Why the flags: on a GPU the top-k/top-p filter cannot be skipped at run time for free
     (`_top_k_top_p`), and the top-`NUM_TOP` log-probs are a `top_k` over the vocabulary; a step
-    whose rows ask for neither pays for both (8B batch-1 decode on an H100: ~0.1-0.2 ms of a
-    7.6 ms step; BENCHMARKS.md run 7). So the caller says, statically, whether any row of the
+    whose rows ask for neither pays for both (a few per cent of an 8B batch-1 decode step on an
+    H100; BENCHMARKS.md). So the caller says, statically, whether any row of the
     step filters (`filter_topk_topp`) and how many top log-probs the step returns
     (`top_logprobs`: 0 or NUM_TOP, two buckets so few executables compile; serving/
     sampler_variants.py picks them per step and warm-up compiles each). A row's token and
@@ -84,7 +84,7 @@ class SamplingInputs:
     A third flag, `draw`, and `logits=None` make the smallest step, for steps whose rows are all
     greedy without transforms (serving/sampler_variants.py GREEDY: `jdet generate`'s default):
     XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4 less
-    compile time for the embedded model's step on a CPU (BENCHMARKS.md, issue 17). A greedy
+    compile time for the embedded model's step on a CPU (BENCHMARKS.md). A greedy
     row's token is the argmax of the same logits either way, its log-prob read from the same
     log_softmax."""
 
@@ -216,7 +216,7 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops
     On a GPU the skip would be a `lax.cond` whose branch holds a sort (a cub custom call XLA
     cannot capture in a CUDA graph), so XLA runs it as a host-side conditional: the host thread
     copies the predicate back and so waits for the whole forward before it can launch the sampler
-    — every step became synchronous (profile in BENCHMARKS.md, issue 11). There the filter runs
+    — every step would be synchronous. There the filter runs
     for every step (one sort of the [N, V] logits: ≈ 40 µs at N = 1, V = 128k) and rows that do
     not ask keep their logits through a select: the same bits either way. A step none of whose
     rows filters does not build it at all (`SamplingInputs.filter_topk_topp`, static)."""

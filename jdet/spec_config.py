@@ -16,12 +16,12 @@ IMPLEMENTED = {(m, v) for m in METHODS for v in VERIFY}
 MAX_NUM_TOKENS = 16
 # Revision of the adaptive-K policy (serving/spec_adaptive.py). In rejection mode the policy
 # decides which positions are rejection-sampled, i.e. part of the bits, so the fingerprint
-# carries it: bump it whenever the policy changes which steps verify. 2: an n-gram lookup that
-# finds nothing is no longer a miss (session 6). 3: in rejection mode the policy no longer looks
-# at a sequence's latest token (its bits independent of async scheduling; session 7). 4: in
-# rejection mode a verify is scheduled whole or deferred (never cut to the budget or free pages),
-# a recompute leaves its last token to a decode step, and the prompt's last token never drafts:
-# its bits independent of the load (serving/scheduler.py; session 8).
+# carries it: bump it whenever the policy changes which steps verify. Revision 4's rules: an
+# n-gram lookup that finds nothing is not a miss; in rejection mode the policy never looks at a
+# sequence's latest token (its bits independent of async scheduling), a verify is scheduled whole
+# or deferred (never cut to the budget or free pages), a recompute leaves its last token to a
+# decode step, and the prompt's last token never drafts: its bits independent of the load
+# (serving/scheduler.py).
 ADAPTIVE_POLICY = 4
 
 
@@ -80,7 +80,11 @@ class SpeculativeConfig:
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"speculative min_alpha must be a number in [0, 1], got {a!r}")
         if self.method == "draft" and self.draft_model is None:
-            raise ValueError("speculative method='draft' needs draft_model (a path or jdet.Model)")
+            raise ValueError(
+                "speculative method='draft' needs draft_model: a checkpoint path, a jdet.Model, "
+                "or 'default' (the embedded model's trained draft), e.g. "
+                "SpeculativeConfig(method='draft', draft_model='default')"
+            )
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by method='draft', not {self.method!r}")
         if self.draft_layers is not None:

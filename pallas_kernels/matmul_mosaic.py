@@ -106,10 +106,10 @@ def decode_config(out_dtype, subtree: int = 1, cta_n: int | None = None,
     One consumer warpgroup at 64 columns, two side by side at 128: a 64 x 64 accumulator either
     way, the same wgmma instructions per element; only the CTA count (and so the SMs streaming
     weights) changes. 128-wide K steps halve the producer/consumer barrier round trips per CTA;
-    the instructions and their order stay those of two 64-wide steps. Measured on one H100 (same
-    process, BENCHMARKS run 10), batch-1 step, 64 x 128 / 64-wide K -> 64 x 64 / 128-wide K:
-    Llama-3-8B 7.03 -> 6.93 ms, Qwen3-0.6B 1.86 -> 1.76 ms; the q|k|v product (N = 6144) had
-    48 CTAs on 132 SMs and now has 96. tests/pallas_kernels/test_matmul.py checks every
+    the instructions and their order stay those of two 64-wide steps. 64 x 64 CTAs with 128-wide
+    K steps are faster than 64 x 128 with 64-wide K at batch 1 on an H100 (measured with
+    benchmarks/tile_probe.py, a few per cent of the 8B and 0.6B steps): the q|k|v product
+    (N = 6144) gets 96 CTAs on 132 SMs instead of 48. tests/pallas_kernels/test_matmul.py checks every
     combination against the 128-row plan on the GPU."""
     wgs = (cta_n or DECODE_CTA_N) // 64
     tile_k = tile_k or DECODE_TILE_K

@@ -19,7 +19,7 @@ compared with np.array_equal against the rows of the M=512 product, M in {1,2,3,
   dimension of `dot_general`), so that every dot XLA runs has the one shape [BM, Kd] x [Kd, BN]
   with Kd fixed by the weight. M and N then only choose how many identical dots run.
 So that is the rule here: a dot's shape never depends on M, N or the batch, with one measured
-exception (`row_block`, issue 17): a product of 1-4 rows (a decode step of 1-4 tokens) runs
+exception (`row_block`): a product of 1-4 rows (a decode step of 1-4 tokens) runs
 [2 or 4, Kd] x [Kd, BN] dots, whose rows XLA CPU computes as the BM-row dot computes them
 (tests/pallas_kernels/test_xla_fixed_row_blocks.py; a 1-row dot is the matrix-vector path and is
 never used). A 1-token decode then does a quarter of the 8-row block's dot work.
@@ -70,12 +70,12 @@ Reduction plans (each a function of model shapes only):
   ([G, E] x [E, block_kv]): G differs between TP sizes when kv heads are replicated, and a dot of
   another shape may round differently (TP=8 disagreed with TP=1 on the tiny test model).
 
-FMA contraction (issue 17: a T < 8 bucket left score()'s bits). XLA's CPU backend compiles with
+FMA contraction (why a T < 8 bucket could leave score()'s bits). XLA's CPU backend compiles with
 LLVM's fp-contract=fast: a multiply feeding an add in one fusion may become a fused multiply-add,
 which rounds once where the plain expression rounds twice. Where an add has two products as
 operands (RoPE's x*cos + rot*sin), LLVM fuses one of them, and which one follows the code it
 generates for the fusion, so the same expression compiled into another shape may round otherwise.
-Measured on the embedded model (session 10's repro, layer 2 at position 37): in an 8-row step the
+Measured on the embedded model (layer 2 at position 37): in an 8-row step the
 query's RoPE (vectorised, sincosf) gave fma(x, cos, round(rot*sin)); in a 1-row step, where the
 fusion also pads the query to 8 rows and was compiled to a scalar loop (cosf, sinf), it gave
 another rounding, one bf16 ulp apart in one head, and decode left score() from output 23 on.
@@ -118,7 +118,7 @@ SMALL_ROW_BLOCKS_ENV = "JDET_SMALL_ROW_BLOCKS"  # "1" / "0": force them on / off
 # with AVX2). Not 0.11.2: on the H100 host's Xeon its 2- and 4-row dots gave rows other than
 # the 8-row dot's at K = 1536 and 4096 (f32 and bf16), also with `--xla_cpu_max_isa=AVX2` and
 # with the XNNPACK/YNNPACK/oneDNN fusions off, so it is the compiler, not the ISA (BENCHMARKS.md,
-# "CPU bits across JAX versions", session 16).
+# "CPU bits across JAX versions").
 SMALL_ROW_BLOCKS_JAXLIB = ("0.10.",)
 
 
@@ -401,7 +401,7 @@ def prefix_sum(x: jax.Array, block: int = PREFIX_BLOCK) -> jax.Array:
     log2(V) levels of pads, slices and adds become ~40 fusions, each compiled by XLA CPU's
     emitters (~10 ms apiece): 0.57 s of the sampler's 1.5 s compile at V = 8192, for one cumsum
     of [N, V]. These two rolled loops compile in 0.17 s and run about as fast (0.31 vs 0.27 ms
-    at N = 8, V = 8192; benchmarks/sampler_compile.py, BENCHMARKS.md session 13). Not `jnp.cumsum`
+    at N = 8, V = 8192; benchmarks/sampler_compile.py). Not `jnp.cumsum`
     (XLA's reduce-window rewrite, 0.11 s): its order is XLA's choice, which a compiler version
     may change."""
     x = x.astype(jnp.float32)

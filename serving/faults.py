@@ -59,7 +59,7 @@ class FaultIsolation:
         sampling = [(s, n) for s, n in plan if not s.is_score]
         scoring = [(s, n) for s, n in plan if s.is_score]
         prepared = self.runner.prepare(sampling) if sampling else None
-        if prepared is not None and self.speculator is not None:  # rejection mode (issue 13)
+        if prepared is not None and self.speculator is not None:  # rejection mode
             prepared = self.speculator.verify_inputs(sampling, prepared)
         return prepared, self.runner.prepare_score(scoring) if scoring else None
 

@@ -5,7 +5,7 @@ rows) and its sampling rows (temperature, top-k, top-p, seed, position) are 11 s
 and jit copies each numpy argument to the device by itself. On the H100 machine each such copy
 costs ~50 us of host time: a trivial jitted function of one step's batch and sampling arguments
 took 602 us with them as numpy arrays and 75 us with the same arrays already on the device
-(benchmarks/dispatch_probe.py, BENCHMARKS.md run 8), which bounds a small model's engine step (the
+(benchmarks/dispatch_probe.py), which bounds a small model's engine step (the
 host must dispatch step n+1 while the device runs step n). Here their 4-byte words are written into
 one uint32 array on the host (~25 us on a CPU: `pack`), passed as one argument, and cut back
 into the arrays by slices and bit casts *inside* the step's own executable: one copy, no second

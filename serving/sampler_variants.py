@@ -20,7 +20,7 @@ A third, "greedy" (`GREEDY`: no draw, no logits transforms either: SamplingInput
 logits None), is the smallest step; it serves steps whose rows are all greedy without
 penalties, bias, masks or min-p. A CPU engine runs it beside FULL (`engine_variants` says why);
 `jdet generate` compiles the variants it meets, one at a time (`ON_DEMAND`: its first step
-compiles in ~1/4 less time than the lean one on a CPU, BENCHMARKS.md, issue 17).
+compiles in ~1/4 less time than the lean one on a CPU).
 """
 
 from __future__ import annotations
@@ -91,9 +91,7 @@ def engine_variants() -> tuple[Variant, ...]:
     0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
     greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at
     N = 8 (2-core box). LEAN would add its compile for ~0.03 ms a step (0.161 -> 0.134 ms at
-    batch 1, BENCHMARKS "the sampler's lean variant"). Until session 13 a warmed-up CPU engine
-    ran FULL alone, from when a CPU step was one program and every variant a step compile per
-    shape (cold warm-up 1.5-1.8x). On a GPU the step is one program: there LEAN saves the
+    batch 1). On a GPU the step is one program: there LEAN saves the
     filter's sort, ~0.085 ms a step, for one step compile per shape."""
     if VARIANTS is not None:
         return VARIANTS

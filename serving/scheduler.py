@@ -100,7 +100,7 @@ class Scheduler:
         for decoding in passes:
             self._schedule_running_pass(decoding, plan, budget)
             if decoding and self.verify_tokens is None:
-                self._add_drafts(plan, budget)  # speculative decoding (issue 13), exact mode
+                self._add_drafts(plan, budget)  # speculative decoding, exact mode
         self._admit_waiting(plan, budget)
         return list(plan.items())
 
@@ -126,7 +126,7 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if (seq.num_uncomputed == 1) == decoding:
                 if decoding and self.verify_tokens is not None and seq.draft_token_ids:
-                    self._schedule_verify(seq, plan, budget)  # rejection mode (issue 13)
+                    self._schedule_verify(seq, plan, budget)  # rejection mode
                 else:
                     self._schedule_running(seq, plan, budget)
 

@@ -22,7 +22,7 @@ sequence decodes plainly in it, and once DRY lookups in a row found nothing its 
 ahead while the lookup on its latest tokens still finds nothing (`Speculator.can_run_ahead`;
 a streak, not one lookup: a single empty lookup in natural text is often followed by a useful
 one, which an ahead step would skip). Counting those lookups as misses made a
-copying request fall back between copies and miss the next copy's drafts (session 6). Below
+copying request fall back between copies and miss the next copy's drafts. Below
 `min_alpha` (after `WARMUP` reached drafts) the sequence falls back. While it is fallen back its
 alpha keeps being measured:
   - n-gram drafts, on the host, for free: for each token it got where the lookup on the tokens
