@@ -28,7 +28,7 @@ import numpy as np
 
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
-from sharding.mesh import MAX_TP, check_tp_size
+from jdet.tp_layout import MAX_TP, check_heads, check_tp_size, expand_kv_heads
 
 VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
 
@@ -46,8 +46,6 @@ class Plan:
     def __post_init__(self) -> None:
         check_mode(self.invariance)
         check_tp_size(self.tp)
-        from sharding.specs import check_heads
-
         check_heads(self.cfg, self.tp)
 
     @property
@@ -146,13 +144,20 @@ def pad_params(
     """
     out = dict(params)
     layers = dict(params["layers"])
-    F = layers["w_gate"].shape[-1]
-    F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers["w_down"].dtype) * MAX_TP)
-    if F_pad != F:
-        pf = F_pad - F
-        layers["w_gate"] = _pad(layers["w_gate"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_up"] = _pad(layers["w_up"], ((0, 0), (0, 0), (0, pf)))
-        layers["w_down"] = _pad(layers["w_down"], ((0, 0), (0, pf), (0, 0)))
+    # (gate, up, down) of the dense MLP, and of the experts (each expert's F padded alike): a
+    # mixture-of-experts model may have either or both (jdet/moe.py)
+    for gate, up, down in (("w_gate", "w_up", "w_down"),
+                           ("expert_gate", "expert_up", "expert_down")):  # fmt: skip
+        if gate not in layers:
+            continue
+        F = layers[gate].shape[-1]
+        F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers[down].dtype) * MAX_TP)
+        if F_pad != F:
+            lead = ((0, 0),) * (layers[gate].ndim - 2)
+            pf = F_pad - F
+            layers[gate] = _pad(layers[gate], (*lead, (0, 0), (0, pf)))
+            layers[up] = _pad(layers[up], (*lead, (0, 0), (0, pf)))
+            layers[down] = _pad(layers[down], (*lead, (0, pf), (0, 0)))
     out["layers"] = layers
     lm = _transposed(params["embed"]) if cfg.tie_word_embeddings else params["lm_head"]
     V = lm.shape[-1]
@@ -215,7 +220,8 @@ def fuse_projections(params: dict, tp: int) -> dict:
         return fused.reshape(*lead, fused.shape[-2] * fused.shape[-1])
 
     layers["wqkv"] = cat(("wq", "wk", "wv"))
-    layers["w_gate_up"] = cat(("w_gate", "w_up"))
+    if "w_gate" in layers:  # an all-expert MoE model has no dense MLP
+        layers["w_gate_up"] = cat(("w_gate", "w_up"))
     return {**params, "layers": layers}
 
 
@@ -238,8 +244,6 @@ def prepare_params(
     """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed,
     fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`), and hold the matmul
     weights as the kernels take them (`matmul_weights`; `blocked`: "tp" mode at tp = 1 only)."""
-    from sharding.specs import check_heads, expand_kv_heads
-
     if blocked and tp != 1:
         raise ValueError(f"blocked weights are laid out for one device, not tp={tp}")
     check_heads(cfg, tp)

@@ -34,8 +34,16 @@ import numpy as np
 
 from jdet.batch import StepBatch, pow2_bucket
 from jdet.config import ModelConfig
+from jdet.kv_cache import init_kv_cache
+from jdet.model import forward
 from jdet.ops import Ops, check_mode
 from jdet.plan import Plan
+from jdet.sampling import token_logprobs
+from jdet.step import make_score_fn
+from jdet.tp_layout import check_heads, check_tp_size, kv_heads_in_cache
+from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
+from sharding.mesh import make_tp_mesh
+from sharding.tp import make_tp_score
 
 MODES = ("tp", "batch", "none")
 
@@ -71,8 +79,6 @@ def _flat_batch(tokens: jax.Array, page_size: int) -> tuple[StepBatch, jax.Array
 
 
 def _kv(cfg: ModelConfig, num_kv_heads: int, num_pages: int, page_size: int, dtype: Any) -> dict:
-    from jdet.kv_cache import init_kv_cache
-
     return init_kv_cache(cfg, num_pages, page_size, dtype, num_kv_heads=num_kv_heads)
 
 
@@ -90,15 +96,9 @@ def _engine_values(cfg: ModelConfig, invariance: str, tp: int, page_size: int) -
     """
     plan = Plan(cfg, invariance, tp)
     if plan.sharded:
-        from sharding.mesh import make_tp_mesh
-        from sharding.specs import kv_heads_in_cache
-        from sharding.tp import make_tp_score
-
         score = make_tp_score(cfg, invariance, make_tp_mesh(tp))
         kv_heads = kv_heads_in_cache(cfg, tp)
     else:
-        from jdet.step import make_score_fn
-
         score = make_score_fn(cfg, plan.ops())
         kv_heads = cfg.num_kv_heads
     prepare = plan.prepare_params
@@ -122,7 +122,6 @@ class _XlaOps(Ops):
 
     def attention(self, q: jax.Array, kv: dict, layer: jax.Array, batch: Any, scale: float,
                   meta: Any = None, out_rows: int | None = None):  # fmt: skip
-        from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
 
         out = paged_attention_xla(q, kv["k"], kv["v"], batch.page_table, batch.context_lens,
                                   batch.query_start, batch.positions, scale=scale,
@@ -132,9 +131,6 @@ class _XlaOps(Ops):
 
 def _xla_values(cfg: ModelConfig, page_size: int) -> Callable:
     """(params, tokens) -> f32[B, T-1] by the plain-XLA ("none") forward: differentiable."""
-    from jdet.model import forward
-    from jdet.sampling import token_logprobs
-
     ops = _XlaOps("none")
 
     def values(params: dict, tokens: jax.Array) -> jax.Array:
@@ -183,9 +179,6 @@ def _concrete(x: Any) -> np.ndarray | None:
 def _check(cfg: ModelConfig, tokens: Any, mask: Any, invariance: str, tp: int) -> None:
     check_mode(invariance)
     if invariance != "none":
-        from sharding.mesh import check_tp_size
-        from sharding.specs import check_heads
-
         check_tp_size(tp, len(jax.local_devices()))
         check_heads(cfg, tp)
     elif tp != 1:

@@ -14,23 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jdet.tp_layout import check_tp_size
+
 TP_AXIS = "tp"
-MAX_TP = 8  # largest TP size the padded weights are laid out for (see jdet/plan.py pad_params)
-
-
-def check_tp_size(tp: int, available: int | None = None) -> None:
-    """Raise ValueError unless `tp` is a power of two <= MAX_TP (and <= available devices)."""
-    if not isinstance(tp, int) or tp < 1 or tp & (tp - 1) or tp > MAX_TP:
-        raise ValueError(
-            f"tp={tp!r} is not supported: the tree all-reduce needs a power of two and weights are "
-            f"padded for at most {MAX_TP} devices; use tp = 1, 2, 4 or 8"
-        )
-    if available is not None and tp > available:
-        raise ValueError(
-            f"tp={tp} needs {tp} devices but only {available} are visible "
-            f"({jax.default_backend()}); lower tp, or on CPU set "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
-        )
 
 
 def make_tp_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:

@@ -8,10 +8,8 @@ The KV cache `[L, K, P, B, E]` is split on its kv-head axis 1.
 Padding is the reduction plan's (jdet/plan.py `pad_params`): sizes that do not divide by tp are
 padded, never refused, once for every TP size, so this module imports no kernel.
 
-KV heads: with tp <= K each device holds K/tp kv heads; with tp > K (e.g. 8 devices, 4 kv heads)
-each kv head is replicated tp/K times so that device d holds the one head its H/tp query heads
-read, as real deployments do. The forward reads local head counts from weight shapes, so it runs
-unchanged on a shard.
+KV heads: replicated when tp > K (jdet/tp_layout.py `expand_kv_heads`, part of the plan's weight
+layout). The forward reads local head counts from weight shapes, so it runs unchanged on a shard.
 """
 
 from __future__ import annotations
@@ -19,65 +17,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdet.config import ModelConfig
 from jdet.params import weight_specs
-from sharding.mesh import TP_AXIS, check_tp_size
+from sharding.mesh import TP_AXIS
 
 # Logical axes (jdet.params) that tensor parallelism splits. "vocab" is split only on lm_head: the
 # embedding is a row gather, replicated (a vocab-parallel gather would need an extra all-reduce).
 _SPLIT_AXES = frozenset({"heads", "kv_heads", "ffn", "o_in"})
 
 
-def check_heads(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError unless `tp` can split the query heads and serve every kv head."""
-    check_tp_size(tp)
-    H, K = cfg.num_heads, cfg.num_kv_heads
-    if H % tp:
-        raise ValueError(f"tp={tp} cannot split {H} query heads evenly; use a tp that divides {H}")
-    if tp <= K and K % tp:
-        raise ValueError(
-            f"tp={tp} cannot split {K} kv heads evenly; use a tp that divides {K} or a multiple "
-            f"of {K} (kv heads are then replicated)"
-        )
-    if tp > K and tp % K:
-        raise ValueError(
-            f"tp={tp} exceeds the {K} kv heads but is not a multiple of {K}, so the {H // tp} "
-            f"query heads of a device would span two kv heads; use a tp that divides {K} or is a "
-            f"multiple of it"
-        )
-
-
-def kv_heads_in_cache(cfg: ModelConfig, tp: int) -> int:
-    """Global kv-head count of the sharded cache: K, or tp when kv heads are replicated."""
-    check_heads(cfg, tp)
-    return max(cfg.num_kv_heads, tp)
-
-
-def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """Replicate kv heads (wk, wv, bk, bv) tp/K times when tp > K; identity otherwise."""
-    K, E = cfg.num_kv_heads, cfg.head_dim
-    r = kv_heads_in_cache(cfg, tp) // K
-    if r == 1:
-        return params
-    layers = dict(params["layers"])
-    for name in ("wk", "wv") + (("bk", "bv") if cfg.qkv_bias else ()):
-        w = layers[name]
-        lead = w.shape[:-1]
-        w = w.reshape(*lead, K, 1, E)
-        w = jnp.broadcast_to(w, (*lead, K, r, E)).reshape(*lead, K * r * E)
-        layers[name] = w
-    return {**params, "layers": layers}
-
-
 def _axes_by_name(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
     axes = {spec.path[-1]: spec.axes for spec in weight_specs(cfg)}
     axes["lm_head"] = (None, "vocab")
     # fused column-parallel weights (jdet/plan.py fuse_projections): split like their parts
-    axes["wqkv"], axes["w_gate_up"] = axes["wq"], axes["w_gate"]
+    axes["wqkv"], axes["w_gate_up"] = axes["wq"], (None, "ffn")
     return axes
 
 

@@ -39,14 +39,9 @@ from jdet.ops import Ops
 from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import jit_step, logits_body, score_body, step_body
+from jdet.tp_layout import check_heads, kv_heads_in_cache
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
-from sharding.specs import (
-    check_heads,
-    kv_heads_in_cache,
-    kv_partition_specs,
-    named,
-    param_partition_specs,
-)
+from sharding.specs import kv_partition_specs, named, param_partition_specs
 from sharding.tree_allreduce import tree_allreduce
 
 

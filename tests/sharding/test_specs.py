@@ -9,13 +9,8 @@ from jax.sharding import PartitionSpec as P
 from jdet.config import ModelConfig
 from jdet.params import init_params
 from jdet.plan import pad_params
-from sharding.mesh import check_tp_size
-from sharding.specs import (
-    check_heads,
-    expand_kv_heads,
-    kv_heads_in_cache,
-    param_partition_specs,
-)
+from jdet.tp_layout import check_heads, check_tp_size, expand_kv_heads, kv_heads_in_cache
+from sharding.specs import param_partition_specs
 
 
 def _cfg(**kw) -> ModelConfig:
