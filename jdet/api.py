@@ -21,6 +21,7 @@ from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 from jdet.settings import EngineConfig
 from jdet.spec_config import SpeculativeConfig
+from sharding import distributed
 
 Prompt = str | Sequence[int]
 
@@ -49,6 +50,12 @@ class LLM:
         bitwise those without it (serving/speculative.py)."""
         config = dataclasses.replace(config or EngineConfig(), **settings)
         tp, max_model_len = config.tp, config.max_model_len
+        # a multi-host job (num_processes > 1) starts before the model touches a device
+        self.cluster = distributed.initialize(
+            distributed.resolve(config.num_processes, config.process_id,
+                                config.coordinator_address),
+            heartbeat_timeout=config.heartbeat_timeout,
+        )  # fmt: skip
         self.model = model if isinstance(model, Model) else load(model, dtype=config.dtype)
         self.cfg = self.model.cfg
         self.speculative = SpeculativeConfig.from_any(speculative)
@@ -62,8 +69,10 @@ class LLM:
                     "jdet does not apply; use max_model_len <= the window"
                 )
             max_model_len = max_model_len or window
+        from serving import multihost
         from serving.engine import Engine
 
+        config = multihost.agree_config(self.model, config)  # one KV pool size on every host
         # The engine validates the remaining settings and allocates the KV cache now, so a bad
         # configuration fails here rather than at the first request.
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
@@ -131,8 +140,9 @@ class LLM:
         ids = [self.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, sp_list, strict=True)):
             self._check_len(len(p) + sp.max_tokens, f"prompt {i} plus max_tokens={sp.max_tokens}")
-        from serving import llm_backend
+        from serving import llm_backend, multihost
 
+        sp_list = multihost.spmd_inputs(ids, sp_list)  # every process the same; one seed each
         strs = [p if isinstance(p, str) else None for p in prompts]
         self._warm("step")
         outs = llm_backend.generate(self.engine, ids, sp_list, prompts=strs, use_tqdm=use_tqdm)
@@ -184,11 +194,12 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (stop strings applied)."""
-        from serving import llm_backend
+        from serving import llm_backend, multihost
 
         sp = sampling_params or SamplingParams()
         ids = self.encode(prompt)
         self._check_len(len(ids) + sp.max_tokens, f"prompt plus max_tokens={sp.max_tokens}")
+        (sp,) = multihost.spmd_inputs([ids], [sp])
         self._warm("step")
         yield from llm_backend.stream(self.engine, ids, sp)
 
@@ -203,8 +214,9 @@ class LLM:
         seqs = [self.encode(t) for t in token_ids]
         for i, s in enumerate(seqs):
             self._check_len(len(s), f"sequence {i}")
-        from serving import llm_backend
+        from serving import llm_backend, multihost
 
+        multihost.spmd_inputs(seqs, None)
         self._warm("score")
         return llm_backend.score(self.engine, seqs)
 

@@ -60,6 +60,22 @@ class EngineConfig:
         "auto", "dispatch each steady decode step before the previous one's tokens reach the host "
         "(same bits): 'auto' (on a GPU or CPU), 'on' or 'off'", choices=("auto", "on", "off"),
     )  # fmt: skip
+    num_processes: int = _opt(
+        1, "processes of a multi-host job, one per host, the model split over all their devices "
+        "(default: $JAX_NUM_PROCESSES, else 1; sharding/distributed.py)",
+    )  # fmt: skip
+    process_id: int | None = _opt(
+        None, "this process's id in a multi-host job, 0 = the one that serves (default: "
+        "$JAX_PROCESS_ID)",
+    )  # fmt: skip
+    coordinator_address: str | None = _opt(
+        None, "host:port of process 0's JAX coordination service in a multi-host job (default: "
+        "$JAX_COORDINATOR_ADDRESS)",
+    )  # fmt: skip
+    heartbeat_timeout: int = _opt(
+        10, "seconds without a heartbeat after which a multi-host job counts a process as lost "
+        "(a process that dies is noticed at once; this covers a host that vanishes)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

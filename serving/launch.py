@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
+from jdet.settings import EngineConfig
+from serving import multihost
 from serving.engine import Engine
 from serving.server import MAX_BODY_BYTES, build_app
+from sharding import distributed
 
 
 def server_fingerprint(model: Any, engine: Engine) -> str:
@@ -45,9 +49,23 @@ def serve(
 
     from jdet.loader import load  # the loader module, not the jdet package (whose serve() is here)
 
+    # a multi-host job (num_processes > 1) starts before the model touches a device
+    cluster = distributed.initialize(
+        distributed.resolve(engine_kwargs.get("num_processes"), engine_kwargs.get("process_id"),
+                            engine_kwargs.get("coordinator_address")),
+        heartbeat_timeout=engine_kwargs.get("heartbeat_timeout", 10),
+    )  # fmt: skip
     if model is None or isinstance(model, str | Path):
         model = load(model, dtype=dtype)
-    engine = Engine(model, **engine_kwargs)
+    settings = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if k in settings})
+    config = multihost.agree_config(model, config)  # one KV pool size on every host
+    engine = Engine(model, config, **{k: v for k, v in engine_kwargs.items() if k not in settings})
+    if cluster is not None and not cluster.is_leader:
+        multihost.follow(engine, cluster)  # process 0 serves; this one replays its requests
+        return
+    if cluster is not None:
+        engine = multihost.LeaderEngine(engine, cluster)  # type: ignore[assignment]
     name = served_model_name or (Path(model.path).name if getattr(model, "path", None) else "jdet")
     app = build_app(
         engine,
@@ -58,7 +76,11 @@ def serve(
         public_metrics=public_metrics,
         chat_template=read_chat_template(chat_template),
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        if cluster is not None:
+            engine.stop()  # the followers leave with process 0
 
 
 def read_chat_template(arg: str | None) -> str | None:

@@ -132,9 +132,10 @@ def build_app(
         if alive and not st.driver.ready.is_set():
             return JSONResponse({"status": "warming up"}, status_code=503)
         ok = alive and st.driver.ready.is_set()
-        return JSONResponse(
-            {"status": "ok" if ok else "engine thread died"}, status_code=200 if ok else 503
-        )
+        # the fingerprint lets a router check that its replicas give the same bits
+        body = {"status": "ok" if ok else "engine thread died"}
+        body["system_fingerprint"] = st.fingerprint
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

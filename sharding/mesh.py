@@ -15,13 +15,17 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdet.tp_layout import check_tp_size
+from sharding.distributed import check_spans_processes, mesh_devices
 
 TP_AXIS = "tp"
 
 
 def make_tp_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:
-    """A mesh of the first `tp` local devices on the single axis 'tp'."""
-    devs = list(jax.local_devices() if devices is None else devices)
+    """A mesh of the first `tp` devices on the single axis 'tp': this process's own, or in a
+    multi-process job every process's in process order (sharding/distributed.py)."""
+    if devices is None:
+        check_spans_processes(tp)
+    devs = list(mesh_devices() if devices is None else devices)
     check_tp_size(tp, len(devs))
     # Mesh() rather than jax.make_mesh: make_mesh insists on using every device (and its default
     # axis type changed across versions), while TP=2 on an 8-GPU host must take a subset.

@@ -1,0 +1,156 @@
+"""Two processes x 4 CPU devices on 127.0.0.1 as one JAX multi-controller job (gloo collectives):
+TP 8 across the processes gives bitwise TP 1's tokens, log-probs and scores, offline and served,
+and a process that dies ends the other within seconds, naming it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import jdet
+from sharding.distributed import EXIT_PEER_LOST, resolve
+from tests.sharding.multihost_worker import PROMPTS, SHAPES, requests, run
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 240  # seconds for a job to start, compile and finish on the 2-core CI machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env() -> dict[str, str]:
+    """Each process: 4 CPU devices (8 in the job), the CPU path, jdet's test cache dir."""
+    return {
+        **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The shared tiny Qwen3 with 8 query heads (TP 8 splits them) and embeddings scaled down so
+    that greedy and sampled tokens vary and their log-probs are not 0."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.conftest import write_hf_checkpoint
+
+    d = write_hf_checkpoint(tmp_path_factory.mktemp("mh") / "qwen3", "qwen3", num_attention_heads=8)
+    f = d / "model.safetensors"
+    w = load_file(f)
+    w["model.embed_tokens.weight"] *= np.float32(0.15)
+    save_file(w, f, metadata={"format": "pt"})
+    return d
+
+
+@functools.cache
+def reference(model_dir: Path) -> dict[str, np.ndarray]:
+    """TP 1 in this one process, the same requests (multihost_worker.run)."""
+    return run(jdet.LLM(model_dir, dtype="float32", tp=1, **SHAPES))
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    deadline = time.time() + timeout
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return outs
+
+
+def test_resolve_reads_the_usual_environment_and_names_what_is_missing():
+    env = {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "h:1234"}
+    spec = resolve(env=env)
+    assert (spec.num_processes, spec.process_id, spec.coordinator_host) == (2, 1, "h")
+    assert resolve(env={}) is None and resolve(1, env=env) is not None  # 1 = "not given"
+    assert resolve(4, 3, "[::1]:99", env={}).coordinator_host == "::1"
+    with pytest.raises(ValueError, match="--process-id"):
+        resolve(2, env={})
+    with pytest.raises(ValueError, match="--coordinator-address"):
+        resolve(2, 0, env={})
+
+
+def test_tp8_over_two_processes_is_bitwise_tp1_for_generate_and_score(model_dir, tmp_path):
+    port, out = free_port(), tmp_path / "job.npz"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(pid), str(model_dir), str(out)],
+            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for pid in (0, 1)
+    ]
+    ref = reference(model_dir)  # while the job starts
+    logs = wait_all(procs, TIMEOUT)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    got = dict(np.load(out))
+    assert len(got["unseeded"]) == 3
+    for k, v in ref.items():
+        if k != "unseeded":
+            assert np.array_equal(got[k], v), k
+    assert len(set(ref["tokens0"].tolist())) > 1 and (ref["logprobs1"] != 0).all()  # not trivial
+
+
+def test_served_over_two_processes_then_losing_one_ends_the_other(model_dir):
+    coord, http = free_port(), free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jdet", "serve", str(model_dir), "--dtype", "float32",
+             "--tp", "8", "--max-num-batched-tokens", "8", "--min-tokens-bucket", "8",
+             "--num-processes", "2",
+             "--process-id", str(pid), "--coordinator-address", f"127.0.0.1:{coord}",
+             "--port", str(http), "--log-level", "warning"],
+            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for pid in (0, 1)
+    ]
+    try:
+        base = f"http://127.0.0.1:{http}"
+        ref = reference(model_dir)
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            assert all(p.poll() is None for p in procs), "a process of the job exited early"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the job's server did not come up in {TIMEOUT} s")
+        _, sps = requests()
+        body = {"model": Path(model_dir).name, "prompt": list(PROMPTS[1]), "max_tokens": 6,
+                "temperature": 0.8, "seed": 3, "logprobs": 0, "ignore_eos": True}  # fmt: skip
+        assert sps[1].seed == body["seed"] and sps[1].temperature == body["temperature"]
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        lps = np.asarray(r.json()["choices"][0]["logprobs"]["token_logprobs"], np.float32)
+        assert np.array_equal(lps, ref["logprobs1"])
+
+        procs[1].kill()  # process 1 dies; process 0 must notice and exit, not hang
+        t0 = time.time()
+        out0 = procs[0].communicate(timeout=20)[0]
+        took = time.time() - t0
+        assert procs[0].returncode == EXIT_PEER_LOST, out0[-3000:]
+        assert "lost process 1 of 2" in out0
+        assert took < 10, took
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
