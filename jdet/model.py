@@ -33,14 +33,6 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x[T, n, E] rotated with HF's rotate-half convention, computed in f32."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
-
-
 # The per-layer vectors (norm weights) stay stacked [L, D] outside the scan's xs: the norm kernel
 # reads layer l's row in place, where slicing them per iteration cost a copy launch each.
 NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")

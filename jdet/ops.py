@@ -25,6 +25,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import (
+    _platform,
+    log_softmax,
+    matmul,
+    paged_attention,
+    rms_norm,
+    swiglu,
+    tree_matmul,
+    xla_fixed,
+)
+from pallas_kernels.matmul import resolve_backend
+from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
+from pallas_kernels.paged_attention_pallas import attention_meta
+from pallas_kernels.rms_norm import add_rms_norm, head_rms_norm
+from pallas_kernels.rope_kv import QueryTiles, rope_kv
+from pallas_kernels.tree_matmul import tree_matmul_parts
+
 MODES = ("tp", "batch", "none")
 # Qwen3's q/k head norms read from the fused projection's rows in one launch (`Ops.head_norms`,
 # the same bits); 0 slices and normalises them as separate ops (benchmarks compare the two).
@@ -35,6 +52,14 @@ def swiglu_act(gate: jax.Array, up: jax.Array, out_dtype: Any) -> jax.Array:
     """The MLP's activation silu(gate) * up in f32, rounded once to out_dtype (HF's order):
     the model's unfused projections and `Ops.gate_up_act`'s fallback share it."""
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(out_dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x[T, n, E] rotated with HF's rotate-half convention, computed in f32."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
 
 
 def check_mode(invariance: str) -> str:
@@ -69,8 +94,6 @@ def _xla_matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     rounding as f32-then-cast): an f32 output at M = 1 made XLA convert the weights to f32 first
     (0.57 TB/s). An f32 output (the LM head) pads its rows to 8, where cuBLAS takes bf16
     operands with an f32 result as they are."""
-    from pallas_kernels import _platform
-
     if _platform.platform() != "gpu":
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if jnp.dtype(out_dtype) == x.dtype:
@@ -140,8 +163,6 @@ class Ops:
         independent, so this changes no bit of a real row. T elsewhere."""
         if not (self.invariant and self.pad_rows):
             return t
-        from pallas_kernels.matmul import resolve_backend
-
         if resolve_backend(None) != "mosaic":
             return t
         from pallas_kernels import matmul_mosaic  # imports Mosaic GPU: ~0.3 s, Hopper only
@@ -155,8 +176,6 @@ class Ops:
     ) -> jax.Array:
         """RMSNorm of x[T, D]; with `layer`, w is the stack [L, D] of every layer's weight."""
         if self.invariant:
-            from pallas_kernels import rms_norm
-
             return rms_norm(x, w, eps, layer=layer)
         if layer is not None:
             w = w[layer]
@@ -168,8 +187,6 @@ class Ops:
         """Column-parallel / unsharded projection x[T, in] @ w[in, out]."""
         out_dtype = out_dtype or x.dtype
         if self.invariant:
-            from pallas_kernels import matmul
-
             return matmul(x, w, out_dtype=out_dtype)
         return _xla_matmul(x, w, out_dtype)
 
@@ -178,8 +195,6 @@ class Ops:
         modes one Mosaic kernel with SwiGLU in its epilogue (pallas_kernels/swiglu.py: its own
         bits, the same for every M), elsewhere the projection then XLA's SwiGLU."""
         if self.invariant:
-            from pallas_kernels import swiglu
-
             if swiglu.supported(w.shape[0], w.shape[1], w.dtype):
                 return swiglu.matmul_swiglu(h, w, out_dtype)
         gate, up = jnp.split(self.matmul(h, w), 2, axis=-1)
@@ -191,8 +206,6 @@ class Ops:
             assert self.row_partial is not None
             return self.row_reduce(self.row_partial(x, w)).astype(x.dtype)
         if self.invariance == "tp":
-            from pallas_kernels import tree_matmul
-
             return tree_matmul(x, w, out_dtype=x.dtype)
         return self.matmul(x, w)
 
@@ -206,9 +219,6 @@ class Ops:
         tree matmul's combine, the add and the norm: one launch instead of two per layer, the
         same bits (the same f32 additions in the same order, the same roundings)."""
         if self.invariance == "tp" and self.fuse_residual_norm:
-            from pallas_kernels.rms_norm import add_rms_norm
-            from pallas_kernels.tree_matmul import tree_matmul_parts
-
             parts = tree_matmul_parts(a, w)
             if parts is not None:
                 return add_rms_norm(x, parts, norm_w, eps, layer=layer)
@@ -222,31 +232,21 @@ class Ops:
         norm and add a discarded one for the last layer."""
         if not (self.fuse_down_norm and self.fuse_residual_norm and self.invariance == "tp"):
             return False
-        from pallas_kernels.matmul import resolve_backend
-
         return resolve_backend(None) == "mosaic"
 
     # -- position encoding ------------------------------------------------------------------------
     def rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """RoPE of x[T, n, E] by the step's cos, sin [T, E] (jdet/model.py `apply_rope`). On the
+        """RoPE of x[T, n, E] by the step's cos, sin [T, E] (`apply_rope`). On the
         CPU's fixed-order path (invariant modes) `xla_fixed.rope`: the same f32 expression with
         exact partial products, whose bits no FMA contraction can change, so they do not depend
         on the shape XLA compiles the step for (a 1-token step's RoPE rounded otherwise)."""
-        from pallas_kernels import _platform
-
         if self.invariant and _platform.xla_fixed_default():
-            from pallas_kernels import xla_fixed
-
             return xla_fixed.rope(x, cos, sin)
-        from jdet.model import apply_rope
-
         return apply_rope(x, cos, sin)
 
     # -- attention over the paged cache ---------------------------------------------------------
     def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:
         """The Pallas kernel's KV partition, or None where XLA's gather attention runs."""
-        from pallas_kernels import _platform
-
         if self.invariant:
             if _platform.resolve(None, "paged_attention") != "pallas":
                 return None
@@ -262,8 +262,6 @@ class Ops:
         ps = self._attn_partition(t, batch, kv)
         if ps is None:
             return None
-        from pallas_kernels.paged_attention_pallas import attention_meta
-
         _, kh, num_pages, page_size, _ = kv["k"].shape
         return attention_meta(
             batch.page_table, batch.context_lens, batch.query_start, batch.positions, t=t,
@@ -283,14 +281,10 @@ class Ops:
         (`rms_norm.head_rms_norm`: the same bits as `rms_norm` on the sliced heads), for
         `rope_kv_write`'s (q|k rows, fused rows) form; None where `rms_norm` is not the Pallas
         kernel (the model then slices and normalises as before)."""
-        from pallas_kernels import _platform
-
         if not (HEAD_NORMS_IN_PLACE and self.invariant):
             return None
         if _platform.resolve(None, "rms_norm") != "pallas":
             return None
-        from pallas_kernels.rms_norm import head_rms_norm
-
         return head_rms_norm(qkv, q_w, k_w, eps, layer=layer, tokens=tokens, q_heads=q_heads,
                              kv_heads=kv_heads)  # fmt: skip
 
@@ -301,8 +295,6 @@ class Ops:
         """(RoPE(q) as query tiles for `attention`, the cache with RoPE(k) and v written): one
         kernel (pallas_kernels/rope_kv.py). `qkv`: the fused projection's rows [T' >= T,
         (H + 2K) E] or (q[T, H, E], k, v[T, K, E])."""
-        from pallas_kernels.rope_kv import rope_kv
-
         tiles, k, v = rope_kv(
             qkv, cos, sin, batch.slot_mapping, kv["k"], kv["v"], meta["tok_c"], layer=layer,
             q_heads=q_heads, rows=meta["lim"].shape[1],
@@ -322,15 +314,11 @@ class Ops:
         """q[T, H, E] against layer `layer` of the cache, which already holds this step's K/V.
         `meta`: `attention_meta` of this step; returns [out_rows or T, H, E], zeros past T.
         q may be `rope_kv_write`'s query tiles (pallas_kernels/rope_kv.py QueryTiles)."""
-        from pallas_kernels.rope_kv import QueryTiles
-
         q_heads, t = None, None
         if isinstance(q, QueryTiles):
             q, q_heads, t = q.tiles, q.heads, q.tokens
         ps = self._attn_partition(t or q.shape[0], batch, kv)
         if ps is not None or self.invariant:  # invariant off a GPU: the kernel's XLA version
-            from pallas_kernels import paged_attention
-
             return paged_attention(
                 q,
                 kv["k"],
@@ -349,8 +337,6 @@ class Ops:
             )
         if q_heads is not None:
             raise ValueError("query tiles (rope_kv) need the Pallas paged attention")
-        from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
-
         return _pad_rows(paged_attention_xla(
             q,
             kv["k"],
@@ -366,7 +352,5 @@ class Ops:
     # -- reductions over the vocabulary -----------------------------------------------------------
     def log_softmax(self, logits: jax.Array) -> jax.Array:
         if self.invariant:
-            from pallas_kernels import log_softmax
-
             return log_softmax(logits)
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -6,7 +6,7 @@ the attention kernel's query tiles): ~7 us a layer on an H100 at batch 1, launch
 kernel does all of it in one launch, reading the q|k|v projection's rows where they are.
 
 Arithmetic (no reduction): x*cos + rotate_half(x)*sin in f32, rounded to x's dtype, exactly the
-expression of jdet/model.py `apply_rope` written per half (first half x1*c1 + (-x2)*s1, second
+expression of jdet/ops.py `apply_rope` written per half (first half x1*c1 + (-x2)*s1, second
 half x2*c2 + x1*s2: the same products and sums, element by element); v is copied. Whether the
 compiler contracts a product and a sum into one FMA is the backend's choice, as it is in XLA's
 fusion, so the bits on a GPU are checked against the XLA path by a `gpu` test

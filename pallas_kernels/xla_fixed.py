@@ -321,7 +321,7 @@ def _hi8(x: jax.Array) -> jax.Array:
 @jax.jit
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x[T, n, E] rotated with Hugging Face's rotate-half convention by cos, sin [T, E] (f32),
-    rounded to x's dtype: jdet/model.py `apply_rope`'s f32 expression x*cos + rot*sin with each
+    rounded to x's dtype: jdet/ops.py `apply_rope`'s f32 expression x*cos + rot*sin with each
     product and the sum rounded once, computed so that no FMA contraction can change a bit
     (module docstring, "FMA contraction"): x in parts of 8 significant bits (one for bf16),
     cos and sin as hi + lo (8 + 16 bits), every partial product exact. For bf16 (and, measured,

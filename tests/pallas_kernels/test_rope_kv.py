@@ -1,5 +1,5 @@
 """RoPE + K/V cache write + the query's tile layout in one kernel (pallas_kernels/rope_kv.py,
-issue 11) against the XLA path it replaces: jdet/model.py `apply_rope`, jdet/kv_cache.py
+issue 11) against the XLA path it replaces: jdet/ops.py `apply_rope`, jdet/kv_cache.py
 `write_kv` and the paged attention's own gather of q into its tiles.
 
 CPU: the kernel in interpret mode (conftest sets JDET_PALLAS_INTERPRET=1), bitwise
@@ -21,7 +21,7 @@ import pytest
 
 from jdet.batch import build_batch
 from jdet.kv_cache import write_kv
-from jdet.model import apply_rope
+from jdet.ops import apply_rope
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_pallas import attention_meta
 from pallas_kernels.rope_kv import rope_kv, rope_kv_reference

@@ -6,7 +6,7 @@ query's RoPE of a 1-token step (fused with its padding to 8 rows) rounded otherw
 8-token step's, so a `min_tokens_bucket` < 8 engine left `score()`'s bits (pallas_kernels/
 xla_fixed.py, "FMA contraction"). The inputs here are drawn so that the two contractions round
 differently to bf16 (about 1 in 10^5 random inputs does); the negative control runs the plain
-expression (jdet/model.py `apply_rope`) in the same program and must see the rows differ.
+expression (jdet/ops.py `apply_rope`) in the same program and must see the rows differ.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdet.model import apply_rope
+from jdet.ops import apply_rope
 from jdet.step import CPU_XLA_OPTIONS
 from pallas_kernels import xla_fixed
 from tests.pallas_kernels import variants

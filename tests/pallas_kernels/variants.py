@@ -93,7 +93,7 @@ def contracted(a: jax.Array, b: jax.Array, c: jax.Array) -> jax.Array:
 
 
 def contracted_rope_by_rows(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """jdet/model.py `apply_rope` with the contraction chosen by the step's rows, as LLVM's
+    """jdet/ops.py `apply_rope` with the contraction chosen by the step's rows, as LLVM's
     was (pallas_kernels/xla_fixed.py, "FMA contraction"): x*cos fused into the add in a step of
     fewer than 8 rows, rot*sin in one of 8 or more."""
     xf = x.astype(jnp.float32)

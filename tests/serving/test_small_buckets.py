@@ -7,7 +7,7 @@ output 23 on (BENCHMARKS.md, session 10), because the query's RoPE of a 1-4 row 
 otherwise than an 8-row step's (a fused multiply-add on the other product; pallas_kernels/
 xla_fixed.py, "FMA contraction"). Here: decode log-probs equal `score()`'s bitwise, and a
 sequence's bits are the same decoding alone (1 row) or beside another (2 or 4 rows). Negative
-control: the same engine with the plain RoPE expression (jdet/model.py `apply_rope`) instead of
+control: the same engine with the plain RoPE expression (jdet/ops.py `apply_rope`) instead of
 `xla_fixed.rope` must leave `score()`.
 """
 
@@ -73,7 +73,7 @@ def plain_rope(monkeypatch):
     caches are cleared before and after, so the control traces its own steps and leaves none
     (whatever Python-level caches hold the jitted steps)."""
     import jdet.ops
-    from jdet.model import apply_rope
+    from jdet.ops import apply_rope
 
     traced = []
 

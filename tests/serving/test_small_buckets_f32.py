@@ -5,7 +5,7 @@ tests/serving/test_small_buckets.py checks this for the bf16 embedded model; CI'
 tests pad every step to one bucket of 16 or more tokens, so no f32 model ran the 1-token step.
 f32 activations are where the CPU path's exact products matter most (pallas_kernels/xla_fixed.py,
 "FMA contraction": RoPE's products and rms_norm's squares are exact in f32 only by construction).
-Negative control: the plain RoPE expression (jdet/model.py `apply_rope`), whose contraction LLVM
+Negative control: the plain RoPE expression (jdet/ops.py `apply_rope`), whose contraction LLVM
 picks by the step's shape, must make the batch-1 decode leave the batched one (measured: it does
 for every f32 model tried, the embedded one and tiny Qwen3/Llama checkpoints).
 """
@@ -67,7 +67,7 @@ def plain_rope(monkeypatch):
     did not contract by shape where 0.10.2 did). JAX's caches are cleared before and after, so the
     control traces its own steps and leaves none (test_small_buckets.py's fixture)."""
     import jdet.ops
-    from jdet.model import apply_rope
+    from jdet.ops import apply_rope
     from tests.pallas_kernels import variants
 
     rope = apply_rope if variants.contraction_by_shape_measured() else \
