@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import jax
 
-    from pallas_kernels import _platform
+    from pallas_kernels import kernel_backend
 
     res = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "jax": jax.__version__, "kernel_backend": _platform.kernel_backend(),
+           "jax": jax.__version__, "kernel_backend": kernel_backend(),
            "note": f"best of {a.repeats} runs on a possibly shared machine"}  # fmt: skip
     modes = tuple(a.modes.split(","))
     parts = {"cli": bench_cli, "phases": bench_phases,

@@ -33,7 +33,7 @@ anywhere below is a miss):
   pallas_kernels and sharding, their UPPER_CASE constants): a monkeypatched kernel or tile size
   is another key;
 - jax, jaxlib and Python versions, backend platform and platform version (CUDA/driver on a GPU),
-  process count and index, the kernel backend (pallas_kernels/_platform.kernel_backend), every
+  process count and index, the kernel backend (pallas_kernels.kernel_backend), every
   jax.config value but the cache settings, and the XLA_*/JAX_*/JDET_* environment variables
   (but $JDET_CACHE_DIR, JDET_WARMUP, JDET_EXEC_CACHE) plus LIBTPU_INIT_ARGS and
   NVIDIA_TF32_OVERRIDE.

@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
+
+from jdet.version import __version__
+from pallas_kernels import _platform, kernel_backend
 
 FORMAT = 1  # bump when the entry layout changes
 PACKAGES = ("jdet", "pallas_kernels", "sharding", "serving")
@@ -152,8 +156,6 @@ def runtime_code_digest() -> str:
     (a test's batch-dependent attention, a changed tile size) or an edit made after import changes
     it. Every module is imported first, so the digest does not depend on what ran before (but
     `_GPU_ONLY`'s off a GPU)."""
-    from pallas_kernels import _platform
-
     h = hashlib.sha256()
     skip = () if _platform.platform() == "gpu" else _GPU_ONLY
     for name in _code_modules():
@@ -206,11 +208,6 @@ def _abstract_mesh() -> str:
 
 def environment() -> dict:
     """Everything outside the function and its arguments that the key covers."""
-    import jaxlib
-
-    from jdet.fingerprint import kernel_backend
-    from jdet.version import __version__
-
     dev = jax.devices()[0]
     env = {
         k: v

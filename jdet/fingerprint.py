@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import platform
 from typing import Any
 
 import jax
@@ -20,19 +21,7 @@ import jaxlib
 from jdet.plan import Plan
 from jdet.spec_config import ADAPTIVE_POLICY  # which steps verify (rejection mode's bits)
 from jdet.version import __version__
-
-
-def kernel_backend() -> str:
-    """The name of the kernel implementation the invariant modes run on this process."""
-    from pallas_kernels import _platform
-
-    named = getattr(_platform, "kernel_backend", None)
-    if named is not None:
-        return named()
-    if _platform.interpret_default():
-        return "pallas-interpret"
-    return "mosaic-gpu" if _platform.is_hopper() else f"pallas-{_platform.platform()}"
-
+from pallas_kernels import _platform, kernel_backend
 
 # Instruction-set features whose presence changes the code XLA CPU generates for a step (vector
 # width, FMA, the rsqrt estimate behind 1/sqrt and its precision), so possibly its bits.
@@ -47,10 +36,6 @@ def host_cpu() -> str:
     rsqrt estimate plus a Newton step, and the estimate differs between vendors and between
     AVX2 and AVX-512 code), so a fingerprint that names only "cpu" could promise equal bits
     across machines that do not give them. Linux's /proc/cpuinfo; elsewhere `platform`."""
-    import platform
-
-    from pallas_kernels import _platform
-
     fields = _platform.host_cpu_fields()
     if fields is None:
         return f"{platform.machine()} {platform.processor()}".strip()

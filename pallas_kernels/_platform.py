@@ -73,22 +73,6 @@ def host_cpu_flags() -> frozenset:
     return frozenset((host_cpu_fields() or {}).get("flags", "").split())
 
 
-def kernel_backend() -> str:
-    """A name for the kernel implementation the invariant modes run here (its bits differ from
-    the others'): 'xla-fixed-cpu', 'pallas-interpret', 'mosaic-gpu', 'pallas-triton' or
-    'pallas-<platform>'. The system fingerprint includes it."""
-    if xla_fixed_default():
-        from pallas_kernels import xla_fixed
-
-        # the small row blocks off (not verified here, or forced) may give other bits
-        return "xla-fixed-cpu" if xla_fixed.SMALL_ROW_BLOCKS else "xla-fixed-cpu/8-row"
-    if interpret_default():
-        return "pallas-interpret"
-    if is_hopper():
-        return "mosaic-gpu"
-    return "pallas-triton" if platform() == "gpu" else f"pallas-{platform()}"
-
-
 def is_hopper() -> bool:
     """True on an sm_90 GPU (H100/H200), where the Mosaic GPU kernels are used."""
     if platform() != "gpu":

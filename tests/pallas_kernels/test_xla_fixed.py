@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, kernel_backend
 from pallas_kernels.matmul import matmul
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
@@ -280,12 +280,12 @@ def test_cpu_dispatch_defaults_to_xla_and_the_env_var_restores_interpret_mode(mo
     from pallas_kernels import xla_fixed
 
     name = "xla-fixed-cpu" if xla_fixed.SMALL_ROW_BLOCKS else "xla-fixed-cpu/8-row"
-    assert _platform.resolve(None, "k") == "xla" and _platform.kernel_backend() == name
+    assert _platform.resolve(None, "k") == "xla" and kernel_backend() == name
     a, b = _rand(12, (5, 64), jnp.float32), _rand(13, (64, 40), jnp.float32)
     assert np.array_equal(np.asarray(matmul(a, b)), np.asarray(matmul(a, b, backend="xla")))
     monkeypatch.setenv(_platform.INTERPRET_ENV, "1")
     assert _platform.resolve("auto", "k") == "pallas"
-    assert _platform.kernel_backend() == "pallas-interpret"
+    assert kernel_backend() == "pallas-interpret"
     with pytest.raises(ValueError, match="backend must be"):
         rms_norm(a, a[0], backend="triton")
 
