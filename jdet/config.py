@@ -42,6 +42,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # Mixture of experts (num_experts 0: a dense model). The layers in `sparse_layers` run the
+    # expert FFN (num_experts experts of moe_intermediate_size, num_experts_per_tok per token,
+    # top-k probabilities renormalised to sum 1 when norm_topk_prob); the others the dense MLP
+    # of intermediate_size. `moe` names the checkpoint's expert layout (jdet/models).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    moe: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -49,6 +59,23 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+            raise ValueError(f"sparse_layers {self.sparse_layers} must be layers of the model")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer runs the expert FFN."""
+        return bool(self.sparse_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers whose FFN is the dense MLP (every layer of a dense model)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.sparse_layers)
 
     @property
     def rope_type(self) -> str:
@@ -69,6 +96,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling)
+        if not self.is_moe:  # a dense model's dict (and fingerprint) as before MoE existed
+            for k in MOE_FIELDS:
+                d.pop(k)
         return d
 
     @classmethod
@@ -93,6 +123,8 @@ class ModelConfig:
 
 
 INT32_MAX = 2**31 - 1  # positions and token ids travel as int32
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "sparse_layers", "moe")  # fmt: skip
 
 
 def read_json(f: Path, what: str) -> Any:
@@ -239,12 +271,14 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
     if not isinstance(dtype, str):
         raise ValueError(f"{where}: field 'torch_dtype' must be a string, got {dtype!r}")
+    num_layers = _int(raw, "num_hidden_layers", where)
+    moe = _moe_fields(raw, arch.moe, num_layers, where) if arch.moe else {}
     return ModelConfig(
         model_type=mt,
         vocab_size=_int(raw, "vocab_size", where),
         hidden_size=hidden,
         intermediate_size=_int(raw, "intermediate_size", where),
-        num_layers=_int(raw, "num_hidden_layers", where),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -260,6 +294,39 @@ def _from_dict(raw: dict, where: str) -> ModelConfig:
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos_ids,
         torch_dtype=dtype,
+        **moe,
+    )
+
+
+def _moe_fields(raw: dict, layout: str, num_layers: int, where: str) -> dict[str, Any]:
+    """The expert fields of a Qwen3-MoE or Mixtral config.json. Qwen3-MoE: layer i is sparse
+    unless it is in `mlp_only_layers`, and only every `decoder_sparse_step`-th layer ((i + 1) %
+    step == 0), as transformers' Qwen3MoeDecoderLayer decides; Mixtral: every layer, top-k
+    always renormalised."""
+    key = "num_local_experts" if layout == "mixtral" else "num_experts"
+    if raw.get(key) is None:  # transformers 5 writes Qwen3-MoE's count as num_local_experts too
+        key = "num_local_experts" if key == "num_experts" else "num_experts"
+    experts = _int(raw, key, where, default=0, lo=0)
+    top_k = _int(raw, "num_experts_per_tok", where, default=2 if layout == "mixtral" else 8)
+    if layout == "mixtral":
+        sparse = tuple(range(num_layers)) if experts else ()
+        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                    moe_intermediate_size=_int(raw, "intermediate_size", where),
+                    sparse_layers=sparse, moe=layout)  # fmt: skip
+    step = _int(raw, "decoder_sparse_step", where, default=1)
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ValueError(f"{where}: field 'mlp_only_layers' must be a list of layer indices")
+    sparse = tuple(
+        i for i in range(num_layers) if i not in only and experts > 0 and (i + 1) % step == 0
+    )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_int(raw, "moe_intermediate_size", where),
+        norm_topk_prob=_bool(raw, "norm_topk_prob", where, False),
+        sparse_layers=sparse,
+        moe=layout,
     )
 
 

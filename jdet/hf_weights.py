@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors'
 import numpy as np
 
 from jdet.config import ModelConfig, read_json
-from jdet.params import full_shape, set_path, weight_specs
+from jdet.params import WeightSpec, full_shape, set_path, spec_layers, weight_specs
 
 _ST_DTYPES = ("BF16", "F16", "F32", "F64")  # the float dtypes a checkpoint's weights may have
 
@@ -88,15 +88,57 @@ def _open_safetensors(d: Path) -> dict[str, _SafetensorsFile]:
     return files
 
 
+def _stack_names(cfg: ModelConfig, s: WeightSpec) -> list[list[str]]:
+    """Per stack position, the HF tensor names it is read from (one per expert for experts)."""
+    if not s.per_layer:
+        return [[s.hf_name]]
+    return [
+        [s.hf_name.format(i=i, e=e) for e in range(s.experts)] if s.experts
+        else [s.hf_name.format(i=i)]
+        for i in spec_layers(cfg, s)
+    ]  # fmt: skip
+
+
+def _fused_names(cfg: ModelConfig, s: WeightSpec) -> list[str]:
+    return [s.fused_hf[0].format(i=i) for i in spec_layers(cfg, s)] if s.fused_hf else []
+
+
+def _read(files: dict, d: Path, name: str, want: tuple[int, ...]) -> np.ndarray:
+    if name not in files:
+        raise ValueError(f"{d}: tensor {name} is missing from the checkpoint")
+    t = files[name].get(name)
+    if t.shape != want:
+        raise ValueError(
+            f"{d}: tensor {name} has shape {t.shape}, expected {want} from config.json"
+        )
+    return t
+
+
+def _layer_tensor(files: dict, d: Path, s: WeightSpec, names: list[str], fused: str | None
+                  ) -> np.ndarray:  # fmt: skip
+    """One stack position of `s` in jdet's layout: read whole, per expert, or sliced from
+    transformers' fused expert tensor (`WeightSpec.fused_hf`) when the checkpoint holds that."""
+    if fused is not None and fused in files and names[0] not in files:
+        _, part, parts = s.fused_hf
+        per = tuple(reversed(s.shape[-2:])) if s.transpose else s.shape[-2:]
+        lead = s.shape[:-2]
+        t = _read(files, d, fused, (*lead, per[0] * parts, per[1]))
+        t = t[..., part * per[0] : (part + 1) * per[0], :]
+        return np.swapaxes(t, -1, -2) if s.transpose else t
+    shape = s.shape[1:] if s.experts else s.shape
+    want = tuple(reversed(shape)) if s.transpose else shape
+    ts = [_read(files, d, n, want) for n in names]
+    ts = [t.T if s.transpose else t for t in ts]
+    return np.stack(ts) if s.experts else ts[0]
+
+
 def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None = None) -> dict:
     files = _open_safetensors(d)
     specs = weight_specs(cfg)
     expected = set()
     for s in specs:
-        names = (
-            [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [s.hf_name]
-        )
-        expected.update(names)
+        expected.update(n for names in _stack_names(cfg, s) for n in names)
+        expected.update(_fused_names(cfg, s))
     # Some checkpoints of tied models still carry lm_head.weight; it must equal the embedding.
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = sorted(
@@ -107,7 +149,7 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
             f"{d}: unexpected tensors for {cfg.model_type} (first: {unexpected[:3]}); the "
             "checkpoint does not match its config.json"
         )
-    total = sum(cfg.num_layers if s.per_layer else 1 for s in specs)
+    total = sum(len(_stack_names(cfg, s)) for s in specs)
     if progress is None:
         progress = sum(f.size for f in {id(f): f for f in files.values()}.values()) > 1 << 30
     bar = None
@@ -118,20 +160,10 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
     params: dict = {}
     np_dtype = np.dtype(dtype)
     for s in specs:
-        names = (
-            [s.hf_name.format(i=i) for i in range(cfg.num_layers)] if s.per_layer else [s.hf_name]
-        )
-        want = tuple(reversed(s.shape)) if s.transpose else s.shape
         out = np.empty(full_shape(cfg, s), np_dtype)
-        for i, name in enumerate(names):
-            if name not in files:
-                raise ValueError(f"{d}: tensor {name} is missing from the checkpoint")
-            t = files[name].get(name)
-            if t.shape != want:
-                raise ValueError(
-                    f"{d}: tensor {name} has shape {t.shape}, expected {want} from config.json"
-                )
-            t = t.T if s.transpose else t
+        fused = _fused_names(cfg, s) or [None] * len(out)
+        for i, names in enumerate(_stack_names(cfg, s)):
+            t = _layer_tensor(files, d, s, names, fused[i] if s.per_layer else None)
             if s.per_layer:
                 out[i] = t.astype(np_dtype)
             else:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import write_kv
+from jdet.moe import ffn_forward, pop_ffn
 from jdet.ops import Ops, swiglu_act
 
 
@@ -57,6 +58,7 @@ def layer_forward(
     attn_meta: dict | None = None,
     h: jax.Array | None = None,
     next_norm: jax.Array | None = None,
+    ffn: dict | None = None,
 ) -> tuple[jax.Array, dict, jax.Array | None]:
     """One layer on x[T', D]. T' >= T = batch.num_tokens rows (`Ops.row_pad`): rows past T are
     padding that only the matmuls and norms see (attention, RoPE and the KV write take the
@@ -66,7 +68,8 @@ def layer_forward(
     weights shifted by one layer, so that row `layer` is the next layer's), down_proj's combine,
     the residual add and the next layer's attention norm run as one `residual_norm` and h_next
     is that norm, which the next layer takes as `h` instead of normalising x itself (the same
-    arithmetic: one launch instead of two). Otherwise h_next is None."""
+    arithmetic: one launch instead of two). Otherwise h_next is None. `ffn`: a
+    mixture-of-experts model's FFN stacks (jdet/moe.py `pop_ffn`), not in `lp`."""
     T = batch.token_ids.shape[0]
     rows = x.shape[0]
     E = cfg.head_dim
@@ -88,7 +91,7 @@ def layer_forward(
             q, kv = ops.rope_kv_write((qk, qkv_rows), cos, sin, kv, layer, batch, attn_meta,
                                       nq // E)  # fmt: skip
             return _attention_and_mlp(lp, x, q, kv, layer, batch, cfg, ops, norms, attn_meta,
-                                      rows, next_norm)  # fmt: skip
+                                      rows, next_norm, ffn)  # fmt: skip
         qkv = qkv_rows[:T]
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
     else:
@@ -115,13 +118,13 @@ def layer_forward(
             "v": write_kv(kv["v"], layer, v, batch.slot_mapping),
         }
     return _attention_and_mlp(lp, x, q, kv, layer, batch, cfg, ops, norms, attn_meta, rows,
-                              next_norm)  # fmt: skip
+                              next_norm, ffn)  # fmt: skip
 
 
 def _attention_and_mlp(
     lp: dict, x: jax.Array, q: Any, kv: dict, layer: jax.Array, batch: StepBatch,
     cfg: ModelConfig, ops: Ops, norms: dict, attn_meta: dict | None, rows: int,
-    next_norm: jax.Array | None,
+    next_norm: jax.Array | None, ffn: dict | None = None,
 ) -> tuple[jax.Array, dict, jax.Array | None]:  # fmt: skip
     """The rest of `layer_forward` once the query is ready and the cache written."""
     E = cfg.head_dim
@@ -133,6 +136,10 @@ def _attention_and_mlp(
         h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
     else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
         x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
+    if cfg.is_moe:  # the expert / dense FFN by the layer's kind (jdet/moe.py)
+        x = x + ffn_forward(ffn or {}, h, layer, cfg, ops)
+        h_next = None if next_norm is None else ops.rms_norm(x, next_norm, eps, layer)
+        return x, kv, h_next
     if ops.fused:  # fused gate|up, as wqkv (SwiGLU in its epilogue where Ops can)
         act = ops.gate_up_act(h, lp["w_gate_up"], x.dtype)
     else:
@@ -196,6 +203,7 @@ def hidden_states(
     cos, sin = rope_tables(cfg, batch.positions)
     layers = dict(params["layers"])
     norms = {n: layers.pop(n) for n in (NORMS if cfg.qk_norm else NORMS[:2])}
+    ffn = pop_ffn(layers, cfg)  # a MoE model's FFN stacks: not over every layer (jdet/moe.py)
     L = jax.tree_util.tree_leaves(layers)[0].shape[0]
     meta = ops.attention_meta(batch, kv, _q_heads(layers, kv, cfg, ops))
     # Weights that read their layer in place (the CPU's blocked weights, pallas_kernels/
@@ -216,7 +224,8 @@ def hidden_states(
         lp, layer = xs
         lp = {**lp, **{k: w.at_layer(layer) for k, w in in_place.items()}}
         x, kv, h = layer_forward(
-            lp, x, kv, layer, batch, cos, sin, cfg, ops, norms, meta, h=h, next_norm=next_norm
+            lp, x, kv, layer, batch, cos, sin, cfg, ops, norms, meta, h=h, next_norm=next_norm,
+            ffn=ffn,
         )
         return (x, h, kv), None
 

@@ -35,6 +35,7 @@ from pallas_kernels import (
     tree_matmul,
     xla_fixed,
 )
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.matmul import resolve_backend
 from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
 from pallas_kernels.paged_attention_pallas import attention_meta
@@ -108,6 +109,9 @@ class Ops:
     invariance: str = "tp"
     row_partial: Callable[[jax.Array, jax.Array], jax.Array] | None = None
     row_reduce: Callable[[jax.Array], jax.Array] | None = None
+    # Devices the row-parallel input width is split over (sharding/tp.py make_tp_ops): the
+    # experts' down projection computes its own subtree of that many (`grouped_row_matmul`).
+    row_shards: int = 1
     # KV partition of the invariant paged attention (tokens), part of the reduction plan. 256, not
     # 512: a batch-1 decode at 1k context then has 4 partitions x kv heads programs instead of 2x;
     # measured on an H100 (Llama-3-8B shape, "tp"): step 9.58 -> 8.76 ms (128: 8.99 ms), while a
@@ -208,6 +212,36 @@ class Ops:
         if self.invariance == "tp":
             return tree_matmul(x, w, out_dtype=x.dtype)
         return self.matmul(x, w)
+
+    # -- mixture-of-experts: the grouped matmul (pallas_kernels/grouped_matmul.py) ---------------
+    def grouped_tiles(self, ids: jax.Array, num_groups: int) -> Any:
+        """The grouped layout of rows with group (expert) `ids` [R], in the kernel's tiles."""
+        return gm.group_tiles(ids, num_groups, gm.tile_rows() if self.invariant else 8)
+
+    def grouped_matmul(self, xs: jax.Array, w: jax.Array, tiles: Any) -> jax.Array:
+        """Column-parallel grouped projection xs[P, in] @ w[group][in, out] -> [P, out]: BIO in
+        the invariant modes, XLA's `ragged_dot` in "none"."""
+        if self.invariant:
+            return gm.grouped_matmul(xs, w, tiles)
+        return gm.grouped_matmul_xla(xs, w, tiles)
+
+    def grouped_row_matmul(self, xs: jax.Array, w: jax.Array, tiles: Any) -> jax.Array:
+        """Row-parallel grouped projection (the experts' down_proj), back in row order [R, out]
+        in xs's dtype: the tree in "tp"; under TP each device's f32 partial (its subtree in
+        "tp") is combined across devices per row by `row_reduce` before the cast."""
+        f32 = jnp.float32
+        n = self.row_shards
+        if self.invariance == "tp":
+            k_total = w.shape[1] * n
+            part = gm.grouped_tree_partial(xs, w, tiles, k_total=k_total, num_shards=n)
+        elif self.invariance == "batch":
+            part = gm.grouped_matmul(xs, w, tiles, f32)
+        else:
+            part = gm.grouped_matmul_xla(xs, w, tiles, f32)
+        part = gm.scatter_rows(part, tiles)
+        if self.row_reduce is not None:
+            part = self.row_reduce(part)
+        return part.astype(xs.dtype)
 
     def residual_norm(
         self, x: jax.Array, a: jax.Array, w: jax.Array, norm_w: jax.Array, eps: float,

@@ -31,6 +31,16 @@ class WeightSpec:
     transpose: bool  # HF tensor is the transpose of ours
     init: str  # "normal", "ones" or "zeros"
     per_layer: bool
+    # The layers a per-layer weight is stacked over (None: every layer). A mixture-of-experts
+    # model holds its dense MLP over `cfg.dense_layers` and its experts over `cfg.sparse_layers`.
+    layers: tuple[int, ...] | None = None
+    # > 0: shape[0] is this many experts, stacked from the HF tensors named with {e}
+    experts: int = 0
+    # transformers' in-memory fused expert tensor holding this weight, as (name with {i}, part,
+    # parts): part `part` of `parts` equal slices of its torch "out" axis -2 (gate_up_proj
+    # [E, 2F, D]: gate 0, up 1 of 2; down_proj [E, D, F]: 0 of 1). A checkpoint may hold
+    # either form (save_pretrained writes the per-expert one, as published checkpoints are).
+    fused_hf: tuple[str, int, int] | None = None
 
 
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
@@ -68,10 +78,57 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
     if cfg.o_bias:
         L("bo", (D,), (None,), "self_attn.o_proj.bias", False, "zeros")
     L("mlp_norm", (D,), (None,), "post_attention_layernorm.weight", False, "ones")
-    L("w_gate", (D, F), (None, "ffn"), "mlp.gate_proj.weight", True, "normal")
-    L("w_up", (D, F), (None, "ffn"), "mlp.up_proj.weight", True, "normal")
-    L("w_down", (F, D), ("ffn", None), "mlp.down_proj.weight", True, "normal")
+    dense = cfg.dense_layers
+    if dense:
+        on = dense if cfg.is_moe else None
+        for name, shape, axes, hf in (
+            ("w_gate", (D, F), (None, "ffn"), "mlp.gate_proj.weight"),
+            ("w_up", (D, F), (None, "ffn"), "mlp.up_proj.weight"),
+            ("w_down", (F, D), ("ffn", None), "mlp.down_proj.weight"),
+        ):
+            specs.append(WeightSpec(("layers", name), shape, axes, pre + hf, True, "normal", True,
+                                    layers=on))  # fmt: skip
+    if cfg.is_moe:
+        specs.extend(moe_specs(cfg))
     return specs
+
+
+# Where each architecture keeps its experts: (router, experts' prefix, gate, up, down names).
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", "w1", "w3", "w2"),
+}
+
+
+def moe_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    """The expert layers' weights, stacked over `cfg.sparse_layers`: the router [D, E] and the
+    experts' SwiGLU weights [E, D, Fe] (gate, up) and [E, Fe, D] (down). Tensor parallelism
+    splits every expert's Fe ("ffn"), as the dense MLP's F; the router is replicated."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    router, prefix, gate, up, down = MOE_HF_NAMES[cfg.moe or "qwen3_moe"]
+    pre = "model.layers.{i}."
+    fused = pre + "mlp.experts."
+    on = cfg.sparse_layers
+    # transformers' in-memory Mixtral keeps its router at mlp.gate, as Qwen3-MoE does
+    fused_router = (pre + "mlp.gate.weight", 0, 1) if cfg.moe == "mixtral" else None
+    return [
+        WeightSpec(("layers", "router"), (D, E), (None, None), pre + router, True, "normal", True,
+                   layers=on, fused_hf=fused_router),
+        WeightSpec(("layers", "expert_gate"), (E, D, Fe), (None, None, "ffn"),
+                   pre + prefix + gate + ".weight", True, "normal", True, layers=on, experts=E,
+                   fused_hf=(fused + "gate_up_proj", 0, 2)),
+        WeightSpec(("layers", "expert_up"), (E, D, Fe), (None, None, "ffn"),
+                   pre + prefix + up + ".weight", True, "normal", True, layers=on, experts=E,
+                   fused_hf=(fused + "gate_up_proj", 1, 2)),
+        WeightSpec(("layers", "expert_down"), (E, Fe, D), (None, "ffn", None),
+                   pre + prefix + down + ".weight", True, "normal", True, layers=on, experts=E,
+                   fused_hf=(fused + "down_proj", 0, 1)),
+    ]  # fmt: skip
+
+
+def spec_layers(cfg: ModelConfig, spec: WeightSpec) -> tuple[int, ...]:
+    """The model layers a per-layer weight's stack holds, in stack order."""
+    return spec.layers if spec.layers is not None else tuple(range(cfg.num_layers))
 
 
 def get_path(tree: dict, path: tuple[str, ...]) -> Any:
@@ -87,7 +144,7 @@ def set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def full_shape(cfg: ModelConfig, spec: WeightSpec) -> tuple[int, ...]:
-    return (cfg.num_layers, *spec.shape) if spec.per_layer else spec.shape
+    return (len(spec_layers(cfg, spec)), *spec.shape) if spec.per_layer else spec.shape
 
 
 def map_specs(cfg: ModelConfig, fn: Callable[[WeightSpec], Any]) -> dict:

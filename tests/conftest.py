@@ -93,6 +93,22 @@ ARCH_CONFIGS = {
         },
     ),
     "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+    # mixture of experts: layer 0 sparse, layer 1 dense (mlp_only_layers), top-2 of 8 experts,
+    # the top-k weights not renormalised; Mixtral renormalises, every layer sparse
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=None,
+    ),  # fmt: skip
 }
 
 

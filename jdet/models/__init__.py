@@ -27,6 +27,10 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE
     # sliding window read from config.json always (True) or only with "use_sliding_window"
     sliding_window: bool = False
+    # mixture-of-experts layout of the checkpoint (jdet/params.py `moe_hf_names`): None for a
+    # dense model, "qwen3_moe" (mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj) or
+    # "mixtral" (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1/w3/w2)
+    moe: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -36,4 +40,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
     "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True),
+    "qwen3_moe": Architecture("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen3_moe"),
+    "mixtral": Architecture(
+        "MixtralForCausalLM", qkv_bias=False, o_bias=False, sliding_window=True, moe="mixtral"
+    ),
 }

@@ -1,0 +1,157 @@
+"""The mixture-of-experts FFN (Qwen3-MoE, Mixtral): router, top-k, experts, combine.
+
+Per token t of h[T, D] (the post-attention norm's output), every step alike:
+1. router logits l[t] = h[t] @ router [D, E] through `Ops.matmul` with an f32 result (the
+   invariant BIO matmul in the invariant modes);
+2. p = softmax(l[t]) in f32: the max (exact in any order), exp(l - max), their sum over E by a
+   halving tree of element-wise adds (`tree_sum`), one division. Nothing here is a reduction
+   across tokens, so a token's probabilities are its own whatever the batch;
+3. the top k of p by `lax.top_k`, whose documented order puts the lower index first among equal
+   values: ties go to the lower expert index. With `norm_topk_prob` the k values are divided by
+   their halving-tree sum (Mixtral always; Qwen3-MoE as its config says). Qwen3-MoE rounds the
+   weights to the model's dtype, as transformers does; Mixtral keeps them f32;
+4. the T*k (token, slot) rows (row t*k + j: token t's j-th choice) are laid out by expert
+   (pallas_kernels/grouped_matmul.py `group_tiles`) and run through the grouped matmul, whose
+   reduction plan is fixed by the weight shapes (a row's bits do not depend on how many rows its
+   expert serves): gate and up (`Ops.grouped_matmul`, BIO), SwiGLU, down (`Ops.grouped_row_matmul`:
+   the TBIK tree in "tp", whose leaves a TP shard of the experts' F holds and the tree all-reduce
+   finishes, per (token, slot) row), rounded to the model's dtype;
+5. out[t] = sum over slots j = 0..k-1, in that order (the tie-broken top-k order, never the order
+   rows arrived at an expert), of w[t, j] * y[t, j] in f32, rounded once. Each product is formed
+   from exact partial products (`_exact_product`), so an FMA contraction XLA's CPU backend may
+   make (pallas_kernels/xla_fixed.py, "FMA contraction") cannot change a bit.
+"none" runs the same routing and `lax.ragged_dot` for the experts (XLA's own order).
+
+Mixed dense and sparse layers (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`): the
+model's one layer loop stays one loop. The dense MLP weights are stacked over the dense layers and
+the experts over the sparse ones (jdet/params.py); `pop_ffn` takes both out of the loop's weights
+and `ffn_forward` picks a layer's kind from a static table: statically where every layer is of one
+kind (every published Qwen3-MoE and Mixtral checkpoint: no branch at all), by `lax.cond` on the
+layer index otherwise (one compiled body with both branches; only the taken one runs). Splitting
+the loop into runs of same-kind layers would compile one loop per run and change the loop code
+every dense model runs; the cond costs a predicate per layer on the rare mixed model only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdet.config import ModelConfig
+from jdet.ops import Ops, swiglu_act
+from pallas_kernels.xla_fixed import hi12, tree_sum
+
+DENSE_FFN = ("w_gate", "w_up", "w_down", "w_gate_up")
+SPARSE_FFN = ("router", "expert_gate", "expert_up", "expert_down")
+
+
+def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights f32 [T, k], expert ids int32 [T, k]) of f32 router logits [T, E] (module
+    docstring, steps 2-3). Row-local: each row's result depends on that row only."""
+    logits = logits.astype(jnp.float32)
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = e / tree_sum(e)[:, None]
+    top, ids = lax.top_k(probs, k)  # equal values: the lower index first (documented)
+    if normalize:
+        top = top / tree_sum(top)[:, None]
+    return top, ids.astype(jnp.int32)
+
+
+def _exact_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b (f32) as a fixed sum of exact partial products: each operand cut into its 12
+    leading significant bits and the exact rest (`xla_fixed.hi12`), so every product has <= 24
+    significant bits and is exact in f32. Contracting any of them into an add changes nothing,
+    so the bits do not depend on the code XLA generates for the fusion's shape."""
+    ah, bh = hi12(a), hi12(b)
+    al, bl = a - ah, b - bh
+    return ah * bh + ((ah * bl + al * bh) + al * bl)
+
+
+def combine_slots(w: jax.Array, y: jax.Array, out_dtype: Any, invariant: bool) -> jax.Array:
+    """sum_j w[:, j] * y[:, j] over slots j in order (w f32 [T, k], y [T, k, D]), in f32, rounded
+    once to out_dtype."""
+    y = y.astype(jnp.float32)
+    mul = _exact_product if invariant else (lambda a, b: a * b)
+    acc = mul(w[:, 0, None], y[:, 0])
+    for j in range(1, w.shape[1]):
+        acc = acc + mul(w[:, j, None], y[:, j])
+    return acc.astype(out_dtype)
+
+
+def moe_block(lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops) -> jax.Array:
+    """The expert FFN of h[T, D] (module docstring) with one layer's weights `lp`: router [D, E],
+    expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard)."""
+    t, d = h.shape
+    k = cfg.num_experts_per_tok
+    logits = ops.matmul(h, lp["router"], out_dtype=jnp.float32)
+    w, ids = route(logits, k, cfg.norm_topk_prob)
+    if cfg.moe == "qwen3_moe":  # transformers rounds Qwen3-MoE's weights to the model dtype
+        w = w.astype(h.dtype).astype(jnp.float32)
+    tiles = ops.grouped_tiles(ids.reshape(-1), cfg.num_experts)
+    # each slot's token: slot_row // k (the empty slots' sentinel T*k maps to the zero row T)
+    hz = jnp.concatenate([h, jnp.zeros((1, d), h.dtype)])
+    xs = hz[tiles.slot_row // k]
+    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles)
+    up = ops.grouped_matmul(xs, lp["expert_up"], tiles)
+    act = swiglu_act(gate, up, h.dtype)
+    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles)  # [T*k, D] in row order
+    return combine_slots(w, y.reshape(t, k, d), h.dtype, ops.invariant)
+
+
+def pop_ffn(layers: dict, cfg: ModelConfig) -> dict:
+    """For a mixture-of-experts model, take its FFN stacks (dense over `cfg.dense_layers`,
+    experts over `cfg.sparse_layers`) out of the layer loop's weights `layers` (modified) and
+    return them; {} for a dense model, whose FFN stays in the loop's weights."""
+    if not cfg.is_moe:
+        return {}
+    return {n: layers.pop(n) for n in (*DENSE_FFN, *SPARSE_FFN) if n in layers}
+
+
+def _at(w: Any, i: jax.Array) -> Any:
+    """Stack entry i of w: read in place (`at_layer`, the CPU's blocked weights) or indexed."""
+    if hasattr(w, "at_layer"):
+        return w.at_layer(i)
+    return lax.dynamic_index_in_dim(w, i, keepdims=False)
+
+
+def _local_index(layers: tuple[int, ...], num_layers: int) -> np.ndarray:
+    """Model layer -> its position in a stack over `layers` (0 for the layers not in it)."""
+    table = np.zeros(num_layers, np.int32)
+    table[list(layers)] = np.arange(len(layers), dtype=np.int32)
+    return table
+
+
+def dense_ffn(lp: dict, h: jax.Array, ops: Ops) -> jax.Array:
+    """The dense SwiGLU MLP (jdet/model.py's, without the fused-norm variants)."""
+    if ops.fused:
+        act = ops.gate_up_act(h, lp["w_gate_up"], h.dtype)
+    else:
+        act = swiglu_act(ops.matmul(h, lp["w_gate"]), ops.matmul(h, lp["w_up"]), h.dtype)
+    return ops.row_matmul(act, lp["w_down"])
+
+
+def ffn_forward(
+    ffn: dict, h: jax.Array, layer: jax.Array, cfg: ModelConfig, ops: Ops
+) -> jax.Array:
+    """Layer `layer`'s FFN of a mixture-of-experts model on h[T, D] (`pop_ffn`'s stacks)."""
+    sparse = {n: ffn[n] for n in SPARSE_FFN}
+    dense = {n: ffn[n] for n in DENSE_FFN if n in ffn}
+
+    def run_sparse(h: jax.Array) -> jax.Array:
+        i = jnp.asarray(_local_index(cfg.sparse_layers, cfg.num_layers))[layer]
+        return moe_block({n: _at(w, i) for n, w in sparse.items()}, h, cfg, ops)
+
+    if not cfg.dense_layers:
+        return run_sparse(h)
+
+    def run_dense(h: jax.Array) -> jax.Array:
+        i = jnp.asarray(_local_index(cfg.dense_layers, cfg.num_layers))[layer]
+        return dense_ffn({n: _at(w, i) for n, w in dense.items()}, h, ops)
+
+    is_sparse = np.zeros(cfg.num_layers, bool)
+    is_sparse[list(cfg.sparse_layers)] = True
+    return lax.cond(jnp.asarray(is_sparse)[layer], run_sparse, run_dense, h)

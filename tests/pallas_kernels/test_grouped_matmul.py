@@ -1,0 +1,121 @@
+"""grouped_matmul (mixture-of-experts experts): a row's bits do not depend on how many rows its
+group (expert) serves, the layout puts every group on whole tiles, TP shards of K are whole
+subtrees, and a grouped matmul whose K split follows the rows per group (the negative control)
+does change bits. Both backends: the CPU path ('xla') and the Pallas kernel (interpret mode here:
+the GPU path; its output buffers start as NaN, so a finite result proves every element written).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.combine import combine_tree
+
+G, K, N = 4, 256, 40
+BACKENDS = ["xla", "pallas"]
+
+
+def _rand(seed: int, shape: tuple[int, ...]) -> jnp.ndarray:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+W = _rand(0, (G, K, N))
+
+
+def _run(x, ids, backend: str, fn=gm.grouped_matmul, w=W):
+    tiles = gm.group_tiles(jnp.asarray(ids, jnp.int32), G, gm.tile_rows(backend))
+    xs = gm.gather_rows(x, tiles)
+    return np.asarray(gm.scatter_rows(fn(xs, w, tiles, backend=backend), tiles))
+
+
+def _probe_and_crowd():
+    """Three probe rows (groups 2, 0, 2), then a crowd in which group 2 serves 50 more rows."""
+    probe = _rand(1, (3, K))
+    probe_ids = [2, 0, 2]
+    rng = np.random.default_rng(2)
+    crowd = _rand(3, (70, K))
+    crowd_ids = np.concatenate([np.full(50, 2), rng.integers(0, G, 20)])
+    rng.shuffle(crowd_ids)
+    x = jnp.concatenate([crowd[:31], probe, crowd[31:]])
+    ids = np.concatenate([crowd_ids[:31], probe_ids, crowd_ids[31:]])
+    return probe, probe_ids, x, ids
+
+
+@pytest.mark.parametrize("fn", [gm.grouped_matmul, gm.grouped_tree_matmul], ids=["bio", "tree"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_bits_do_not_depend_on_rows_per_group(backend, fn):
+    probe, probe_ids, x, ids = _probe_and_crowd()
+    alone = np.stack([_run(probe[i : i + 1], probe_ids[i : i + 1], backend, fn)[0]
+                      for i in range(3)])  # fmt: skip
+    crowd = _run(x, ids, backend, fn)
+    assert np.isfinite(crowd).all()
+    assert np.array_equal(alone, crowd[31:34])
+    ref = np.einsum("rk,rkn->rn", np.asarray(x, np.float64), np.asarray(W, np.float64)[ids])
+    assert np.abs(crowd - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def _split_by_group_size(xs, w, tiles, backend=None):
+    """Negative control: K split into 8 f32 partial sums when the row's group has >= 16 rows,
+    one dot otherwise (a kernel that picks split-K from the tokens per expert)."""
+    del backend
+    g = jnp.repeat(tiles.tile_group, tiles.block_m)
+    wg = w[jnp.maximum(g, 0)]
+    many = (tiles.group_sizes[jnp.maximum(g, 0)] >= 16)[:, None]
+    whole = jnp.einsum("pk,pkn->pn", xs, wg, preferred_element_type=jnp.float32)
+    parts = jnp.einsum("pck,pckn->pcn", xs.reshape(xs.shape[0], 8, -1),
+                       wg.reshape(wg.shape[0], 8, -1, wg.shape[-1]))  # fmt: skip
+    split = parts[:, 0]
+    for c in range(1, 8):
+        split = split + parts[:, c]
+    return jnp.where(many, split, whole)
+
+
+def test_negative_control_split_by_rows_per_group_changes_row_bits():
+    probe, probe_ids, x, ids = _probe_and_crowd()
+    alone = np.stack([_run(probe[i : i + 1], probe_ids[i : i + 1], "xla", _split_by_group_size)[0]
+                      for i in range(3)])  # fmt: skip
+    crowd = _run(x, ids, "xla", _split_by_group_size)
+    assert not np.array_equal(alone, crowd[31:34]), "the control found no difference"
+
+
+def test_layout_puts_each_group_on_whole_tiles_and_marks_the_empty_ones():
+    ids = jnp.asarray([3, 1, 3, 3, 1, 0, 3, 3, 3, 3, 3, 3], jnp.int32)
+    t = gm.group_tiles(ids, G, 4)
+    tg = np.asarray(t.tile_group)
+    assert tg.shape == (gm.num_tiles(12, G, 4),)
+    # group 0: 1 row (1 tile), 1: 2 rows (1 tile), 2: none, 3: 9 rows (3 tiles); then unused
+    assert tg.tolist() == [0, 1, 3, 3, 3, -1, -1]
+    slot_row = np.asarray(t.slot_row)
+    assert np.array_equal(slot_row[np.asarray(t.row_slot)], np.arange(12))
+    # within a group the rows keep their order; empty slots hold the sentinel
+    assert slot_row[8:12].tolist() == [0, 2, 3, 6]
+    assert slot_row[1:4].tolist() == [12, 12, 12]
+    assert np.asarray(t.group_sizes).tolist() == [4, 4, 0, 12]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("c", [2, 4])
+def test_shard_subtrees_combine_to_the_full_tree(backend, c):
+    _, _, x, ids = _probe_and_crowd()
+    tiles = gm.group_tiles(jnp.asarray(ids, jnp.int32), G, gm.tile_rows(backend))
+    xs = gm.gather_rows(x, tiles)
+    full = gm.grouped_tree_matmul(xs, W, tiles, jnp.float32, backend=backend)
+    ks = K // c
+    parts = [
+        gm.grouped_tree_partial(xs[:, i * ks : (i + 1) * ks], W[:, i * ks : (i + 1) * ks],
+                                tiles, k_total=K, num_shards=c, backend=backend)
+        for i in range(c)
+    ]  # fmt: skip
+    assert np.array_equal(np.asarray(combine_tree(parts)), np.asarray(full))
+
+
+def test_xla_ragged_dot_baseline_matches_the_reference():
+    _, _, x, ids = _probe_and_crowd()
+    tiles = gm.group_tiles(jnp.asarray(ids, jnp.int32), G, 8)
+    xs = gm.gather_rows(x, tiles)
+    a = np.asarray(gm.grouped_matmul_xla(xs, W, tiles))
+    b = np.asarray(gm.grouped_matmul_reference(xs, W, tiles))
+    assert np.abs(a - b).max() < 1e-4
