@@ -16,11 +16,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdet.fingerprint import fingerprint
 from jdet.loader import Model, load
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 from jdet.settings import EngineConfig
 from jdet.spec_config import SpeculativeConfig
+from serving import llm_backend, multihost
+from serving.engine import Engine
+from serving.sampling_options import InvalidRequest, check_prompt_ids
 from sharding import distributed
 
 Prompt = str | Sequence[int]
@@ -69,9 +73,6 @@ class LLM:
                     "jdet does not apply; use max_model_len <= the window"
                 )
             max_model_len = max_model_len or window
-        from serving import multihost
-        from serving.engine import Engine
-
         config = multihost.agree_config(self.model, config)  # one KV pool size on every host
         # The engine validates the remaining settings and allocates the KV cache now, so a bad
         # configuration fails here rather than at the first request.
@@ -94,8 +95,6 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """Text or token ids -> checked token ids (the engine's shared boundary check; the
         length against max_model_len is checked by the caller, with max_tokens)."""
-        from serving.sampling_options import InvalidRequest, check_prompt_ids
-
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
@@ -140,8 +139,6 @@ class LLM:
         ids = [self.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, sp_list, strict=True)):
             self._check_len(len(p) + sp.max_tokens, f"prompt {i} plus max_tokens={sp.max_tokens}")
-        from serving import llm_backend, multihost
-
         sp_list = multihost.spmd_inputs(ids, sp_list)  # every process the same; one seed each
         strs = [p if isinstance(p, str) else None for p in prompts]
         self._warm("step")
@@ -194,8 +191,6 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
         """Yield the text of one completion as it is generated (stop strings applied)."""
-        from serving import llm_backend, multihost
-
         sp = sampling_params or SamplingParams()
         ids = self.encode(prompt)
         self._check_len(len(ids) + sp.max_tokens, f"prompt plus max_tokens={sp.max_tokens}")
@@ -214,8 +209,6 @@ class LLM:
         seqs = [self.encode(t) for t in token_ids]
         for i, s in enumerate(seqs):
             self._check_len(len(s), f"sequence {i}")
-        from serving import llm_backend, multihost
-
         multihost.spmd_inputs(seqs, None)
         self._warm("score")
         return llm_backend.score(self.engine, seqs)
@@ -226,8 +219,6 @@ class LLM:
             self.engine.warmup(kind, progress=True)
 
     def fingerprint(self) -> str:
-        from jdet.fingerprint import fingerprint
-
         return fingerprint(
             self.model, self.plan, page_size=self.page_size, speculative=self.speculative
         )

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import logging
+import os
 import sys
 
-from jdet import spec_config
+import jax
+
+import jdet
+from jdet import exec_cache, spec_config
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
+from serving import sampler_variants
+from serving.shapes import default_min_tokens_bucket
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,12 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) -> int:
-    import gc
-
-    import jdet
-    from jdet import exec_cache
-    from serving import sampler_variants
-
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
     # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
     # Each shape met is loaded from jdet's executable cache (or compiled and written there) at its
@@ -117,11 +119,6 @@ def _exit_now(rc: int) -> None:
     clearing backends and caches, freeing every module) took ~0.45 s of a ~5 s cold `jdet
     generate` on the 2-core machine (3 runs, load ~3), after its last token. Nothing is pending:
     the caches are written when a shape compiles, and effects are awaited here first."""
-    import logging
-    import os
-
-    import jax
-
     jax.effects_barrier()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -135,15 +132,11 @@ def _exit_now(rc: int) -> None:
 def _one_shape_budget(engine: EngineConfig, spec: object) -> EngineConfig:
     """`engine` with the token budget of one step shape where that is safe: on a CPU, with the
     default budget and no speculative decoding (a verify step needs k + 1 tokens)."""
-    import jax
-
     default = EngineConfig().max_num_batched_tokens
     if spec is not None or engine.max_num_batched_tokens != default:
         return engine
     if jax.default_backend() != "cpu":
         return engine
-    from serving.shapes import default_min_tokens_bucket
-
     # min_tokens_bucket pinned too: no 1-token decode bucket (serving/shapes.py
     # `single_token_bucket`), whose compile would cost the one-shot run more than it saves
     budget = engine.min_tokens_bucket or default_min_tokens_bucket()

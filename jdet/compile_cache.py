@@ -37,6 +37,7 @@ import threading
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -69,8 +70,6 @@ def enable(setting: CacheSetting = True) -> Path | None:
     or None); returns the directory in use. Call before the compiles it should cover; a process
     that already compiled is switched over too (JAX decides once per process otherwise)."""
     global _enabled_by_jdet, _exec_dir
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     with _lock:
         current = jax.config.jax_compilation_cache_dir
         if setting is False or setting is None:

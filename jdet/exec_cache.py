@@ -55,6 +55,7 @@ from typing import Any
 
 import jax
 
+from jdet import compile_cache
 from jdet.exec_key import FORMAT, args_signature, entry_key, key_json, key_parts
 
 log = logging.getLogger("jdet.exec_cache")
@@ -183,8 +184,6 @@ class CachedFn:
                     path, type(e).__name__, e,
                 )  # fmt: skip
         if exe is None:
-            from jdet import compile_cache
-
             hits = compile_cache.stats().cache_hits
             exe = self.fn.lower(*args).compile()
             if compile_cache.stats().cache_hits > hits and jax.default_backend() == "cpu":

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' numpy reader)
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 from jdet.config import ModelConfig, read_json
 from jdet.params import WeightSpec, full_shape, set_path, spec_layers, weight_specs
@@ -29,8 +31,6 @@ class _SafetensorsFile:
     """One .safetensors file opened by the library; its errors name the file and say what to do."""
 
     def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
-
         self.path = path
         self.size = path.stat().st_size
         try:
@@ -154,8 +154,6 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
         progress = sum(f.size for f in {id(f): f for f in files.values()}.values()) > 1 << 30
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, desc=f"loading {d.name}", unit="tensor")
     params: dict = {}
     np_dtype = np.dtype(dtype)

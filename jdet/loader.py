@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ import numpy as np
 
 from jdet.config import ModelConfig, read_json, token_ids
 from jdet.hf_weights import load_hf_params
+from jdet.models import ARCHITECTURES
+from jdet.params import abstract_params
+from jdet.tokenizer import fast_tokenizer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 NATIVE_MARKER = "jdet_checkpoint.json"
@@ -72,8 +76,6 @@ def load_tokenizer(d: Path) -> Any:
     for f in (*files, "special_tokens_map.json"):
         if (d / f).exists():
             read_json(d / f, "a Hugging Face tokenizer file")
-    from jdet.tokenizer import fast_tokenizer
-
     fast = fast_tokenizer(d)  # same answers, without importing transformers (jdet/tokenizer.py)
     if fast is not None:
         return fast
@@ -137,8 +139,6 @@ def save(model: Model, path: str | Path) -> Path:
     ckpt = ocp.StandardCheckpointer()
     target = d / "params"
     if target.exists():
-        import shutil
-
         shutil.rmtree(target)
     ckpt.save(target, model.params)
     ckpt.wait_until_finished()
@@ -157,8 +157,6 @@ def _load_native(d: Path, dtype: Any) -> Model:
     cfg = ModelConfig.from_hf(d / "config.json")
     gen = _generation_config(d)
     cfg = _with_generation_eos(cfg, gen, d)
-    from jdet.params import abstract_params
-
     meta = read_json(d / NATIVE_MARKER, "the marker jdet.save() writes")
     saved_dtype = meta.get("dtype", "bfloat16") if isinstance(meta, dict) else None
     if saved_dtype not in _DTYPES:
@@ -203,8 +201,6 @@ def _with_generation_eos(cfg: ModelConfig, gen: dict | None, d: Path) -> ModelCo
 
 
 def _hf_config_from(cfg: ModelConfig) -> dict:
-    from jdet.models import ARCHITECTURES
-
     arch = ARCHITECTURES[cfg.model_type].hf_class
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **dict(cfg.rope_scaling)}
     return {

@@ -24,6 +24,7 @@ from jdet.config import ModelConfig
 from jdet.kv_cache import write_kv
 from jdet.moe import ffn_forward, pop_ffn
 from jdet.ops import Ops, swiglu_act
+from pallas_kernels import _platform
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -269,8 +270,6 @@ def _layer_weights(layers: dict, layer: jax.Array) -> dict:
 
 def _unroll(layers: dict, num_layers: int) -> bool:
     """Whether the layer loop runs unrolled (`LAYER_UNROLL_GPU`): on a GPU only, any mode."""
-    from pallas_kernels import _platform
-
     if not LAYER_UNROLL_GPU or _platform.platform() != "gpu":
         return False
     per_layer = sum(w.size * w.dtype.itemsize for w in jax.tree_util.tree_leaves(layers))

@@ -29,6 +29,10 @@ import numpy as np
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
 from jdet.tp_layout import MAX_TP, check_heads, check_tp_size, expand_kv_heads
+from pallas_kernels import _platform
+from pallas_kernels.matmul import matmul
+from pallas_kernels.tree_matmul import tree_matmul_partial, tree_plan
+from pallas_kernels.xla_fixed import block_weight
 
 VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
 
@@ -77,8 +81,6 @@ class Plan:
             "attn_partition": self.attn_partition,
             "tp": self.tp if self.invariance != "tp" else "any",
         }
-        from pallas_kernels import _platform
-
         if self.sharded and _platform.xla_fixed_default():
             plan["matmul_weights"] = "float32"  # `matmul_weights`: other CPU bits than bf16
         return plan
@@ -92,16 +94,12 @@ def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
     check_mode(invariance)
     n = num_shards
     if invariance == "tp":
-        from pallas_kernels.tree_matmul import tree_matmul_partial
-
         def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
             # Every shard's subtree has the same shape, so the kernel needs no device index; a
             # static 0 stands in for lax.axis_index (a tracer), which the kernel only validates.
             return tree_matmul_partial(x, w, k_total=w.shape[0] * n, shard=0, num_shards=n)
 
     elif invariance == "batch":
-        from pallas_kernels.matmul import matmul
-
         def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
             return matmul(x, w, out_dtype=jnp.float32)
 
@@ -117,8 +115,6 @@ def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
 def tree_block_k(k_total: int, dtype: Any) -> int:
     """The tree kernel's tile of down_proj's input width I = F (a function of I and dtype, never
     of TP)."""
-    from pallas_kernels.tree_matmul import tree_plan
-
     return tree_plan(k_total, jnp.dtype(dtype)).block_k
 
 
@@ -227,8 +223,6 @@ def fuse_projections(params: dict, tp: int) -> dict:
 
 def fuse_default() -> bool:
     """Fuse the column-parallel projections on Hopper, where the Mosaic kernel makes it exact."""
-    from pallas_kernels import _platform
-
     return _platform.is_hopper()
 
 
@@ -278,8 +272,6 @@ def matmul_weights(params: dict, *, blocked: bool = False, ffn: int | None = Non
     `pad_params`' zero padding are not held and their dots not run (an exact zero takes each
     skipped leaf's place in the tree: 25 % of the embedded model's MLP work). Same dots, same
     bits as the unblocked f32 weights, which every TP size > 1 runs. Unchanged on a GPU."""
-    from pallas_kernels import _platform
-
     blocked = blocked and _platform.xla_fixed_default()
 
     def conv(name: str, w: Any) -> Any:
@@ -292,9 +284,6 @@ def matmul_weights(params: dict, *, blocked: bool = False, ffn: int | None = Non
             w = np.asarray(w)
         if not blocked:
             return w.astype(dtype)
-        from pallas_kernels.tree_matmul import tree_plan
-        from pallas_kernels.xla_fixed import block_weight
-
         # bf16 blocks are held as their bits and widened to `dtype` in the step (xla_blocked)
         compute = dtype if w.dtype == jnp.bfloat16 and dtype == jnp.float32 else None
         w = w if compute is not None else w.astype(dtype)

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from serving.sampling_options import SamplingOptions
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -44,8 +46,6 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # One validation for every entry point (LLM, server, CLI, engine): the bounds are those
         # of the arrays the step receives, so a value that passes cannot fail inside a step.
-        from serving.sampling_options import SamplingOptions
-
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         SamplingOptions.from_any(self).check()

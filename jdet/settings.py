@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jdet.ops import MODES
+from pallas_kernels import _platform
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -143,7 +144,5 @@ def resolve_async(value: bool | str) -> bool:
     if value in (False, "off"):
         return False
     if value == "auto":
-        from pallas_kernels import _platform
-
         return _platform.platform() in ("gpu", "cpu")
     raise ValueError(f"async_scheduling={value!r}: use 'auto', 'on' or 'off' (or a bool)")

@@ -20,6 +20,7 @@ from jdet.kv_cache import init_kv_cache  # noqa: F401  (re-exported: the contrac
 from jdet.model import forward
 from jdet.ops import Ops
 from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
+from pallas_kernels import _platform
 
 
 def step_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
@@ -112,8 +113,6 @@ def xla_options(ops: Ops) -> dict:
     Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off the dots go to
     cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS` ("key=value,...", or "" for
     XLA's defaults) overrides it, for benchmarks."""
-    from pallas_kernels import _platform
-
     if _platform.platform() == "cpu":
         if not ops.invariant:  # "none" stays XLA's default (threaded): the baseline as it is
             return {}
@@ -131,8 +130,6 @@ def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
     also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
     so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests).
     The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
-    from pallas_kernels import _platform
-
     opts = {} if nested and _platform.platform() == "cpu" else xla_options(ops)
 
     def jit(fn: Callable) -> Callable:

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, processors
+
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
@@ -234,8 +236,6 @@ def fast_tokenizer(d: Path) -> FastTokenizer | None:
     if cfg.get("clean_up_tokenization_spaces") and model.get("type") != "BPE":
         return None  # BPE: transformers ignores the clean-up
     try:
-        from tokenizers import Tokenizer, processors
-
         tok = Tokenizer.from_str(json.dumps(tj))
     except Exception:  # noqa: BLE001 - transformers will say what is wrong with the file
         return None

@@ -8,9 +8,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jdet.batch import decode_batch
+from jdet.kv_cache import init_kv_cache
+from jdet.loader import DEFAULT_MODEL_DIR, Model, load
 from jdet.spec_config import SpeculativeConfig
+from jdet.step import SamplingInputs
+from serving.model_runner import cached_step_fn
 from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence
 
@@ -33,8 +40,6 @@ class ModelDraft:
     """
 
     def __init__(self, config: SpeculativeConfig, runner: Any, invariance: str) -> None:
-        import jax
-
         self.runner = runner
         self.method = config.method
         self.rejection = config.verify == "rejection"
@@ -59,14 +64,8 @@ class ModelDraft:
                 fn = rejection_step(cfg, invariance, mesh_of(runner), True)
                 self.step_fn = RejectionStep(fn, cfg.vocab_size, False)
         else:
-            from jdet.kv_cache import init_kv_cache
-            from jdet.loader import Model, load
-            from serving.model_runner import cached_step_fn
-
             dm = config.draft_model
             if dm == "default":  # the embedded model's trained draft (examples/train_draft.py)
-                from jdet.loader import DEFAULT_MODEL_DIR
-
                 dm = DEFAULT_MODEL_DIR / "draft"
             model = dm if isinstance(dm, Model) else load(dm, dtype=runner.kv_dtype)
             if model.cfg.vocab_size != cfg.vocab_size:
@@ -96,9 +95,6 @@ class ModelDraft:
         if self.kv is None:  # "self": the target's cache, donated and replaced as by a step
             r.kv, out = self.step_fn(self.params, r.kv, r.place_tokens(batch), sampling)
         else:
-            import jax
-            import jax.numpy as jnp
-
             if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv)):
                 # a failed step consumed the donated cache (Engine.recover): start it afresh;
                 # only acceptance can suffer until the pages are recomputed, never the bits
@@ -118,8 +114,6 @@ class ModelDraft:
         """Row i samples as `seqs[i]` does, with its (seed, position) key: the draft shares the
         target's randomness, so where the two distributions are close the Gumbel-max draws agree
         (greedy rows: argmax). Other rows are greedy."""
-        from jdet.step import SamplingInputs
-
         temp = np.zeros(Sp, np.float32)
         top_k = np.zeros(Sp, np.int32)
         top_p = np.ones(Sp, np.float32)
@@ -145,8 +139,6 @@ class ModelDraft:
 
     def warmup(self) -> None:
         """Compile the draft's passes (and a draft model's mirror) for every shape of the set."""
-        import jax
-
         r = self.runner
         for shape in r.shapes.all():
             batch, sampling = r.warmup_batch(shape, "step")
@@ -158,10 +150,6 @@ class ModelDraft:
         """k draft tokens for each (sequence, k), sampled as the sequence samples: pass j feeds
         every sequence with k > j its token at position num_tokens - 1 + j (its last token,
         then its drafts)."""
-        import jax
-
-        from jdet.batch import decode_batch
-
         r = self.runner
         got: dict[Sequence, list[int]] = {seq: [] for seq, _ in items}
         dists: dict[Sequence, list[np.ndarray]] = {seq: [] for seq, _ in items}

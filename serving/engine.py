@@ -24,12 +24,17 @@ accounting are reset and checked (`recover`), and `EngineStepError` is raised to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
+from jdet import compile_cache as cc
+from jdet.plan import Plan
+from jdet.settings import EngineConfig, resolve_async
+from jdet.spec_config import SpeculativeConfig
 from serving.faults import EngineStepError, FaultIsolation
 from serving.metrics import EngineMetrics, SpecCollector
 from serving.model_runner import ModelRunner
@@ -64,13 +69,6 @@ class Engine(FaultIsolation, Reporting, Scoring):
         replace single fields of it (`Engine(model, max_num_seqs=8)`). `speculative`: a
         `jdet.SpeculativeConfig` (or dict) for speculative decoding (serving/speculative.py).
         `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`: for tests and benchmarks."""
-        import dataclasses
-
-        from jdet import compile_cache as cc
-        from jdet.plan import Plan
-        from jdet.settings import EngineConfig, resolve_async
-        from jdet.spec_config import SpeculativeConfig
-
         self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
         invariance, tp, page_size = config.invariance, config.tp, config.page_size
         max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs

@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from serving.sequence import Sequence
 
 log = logging.getLogger("jdet.engine")
@@ -98,9 +101,6 @@ class FaultIsolation:
         pm = self.page_manager
         pm.hash_to_page.clear()
         pm.page_to_hash.clear()
-        import jax
-        import jax.numpy as jnp
-
         leaves = jax.tree_util.tree_leaves(self.runner.kv)
         if any(x.is_deleted() for x in leaves):
             self.runner.kv = jax.tree_util.tree_map(

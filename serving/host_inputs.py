@@ -31,6 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdet import exec_cache
+from jdet.ops import Ops
+from jdet.sampling import sample, token_logprobs
+from jdet.step import SamplingInputs, jit_step, logits_body, xla_options
+from pallas_kernels import _platform
+from sharding.tp import tp_logits_body
+
 PACKED_BATCH = ("positions", "slot_mapping", "query_start", "context_lens", "page_table",
                 "logits_rows")  # fmt: skip
 PACKED_SAMPLING = ("temperature", "top_k", "top_p", "seed", "position")
@@ -72,8 +79,6 @@ jax.tree_util.register_static(Layout)
 def _inputs(sampling: Any) -> Any:
     """The SamplingInputs inside `sampling` (itself, or a speculative step's `.inputs`), or
     None."""
-    from jdet.step import SamplingInputs
-
     if isinstance(sampling, SamplingInputs):
         return sampling
     inner = getattr(sampling, "inputs", None)
@@ -81,8 +86,6 @@ def _inputs(sampling: Any) -> Any:
 
 
 def _with_inputs(sampling: Any, inputs: Any) -> Any:
-    from jdet.step import SamplingInputs
-
     if isinstance(sampling, SamplingInputs):
         return inputs
     return dataclasses.replace(sampling, inputs=inputs)
@@ -160,9 +163,6 @@ def packed_step_fn(step: Callable, invariance: str) -> Callable:
 
 @functools.cache
 def _packed_step_fn(step: Callable, invariance: str) -> Callable:
-    from jdet.ops import Ops
-    from jdet.step import jit_step
-
     # the step's own jit: its XLA options depend on the mode and platform only
     return packed(step, jit_step(Ops(invariance=invariance)))
 
@@ -179,8 +179,6 @@ class PackedStep:
         return self.fn(params, kv, *pack(batch, sampling))
 
     def warm(self, params: Any, kv: Any, batch: Any, sampling: Any) -> str | None:
-        from jdet import exec_cache
-
         return exec_cache.prepare(self.fn, params, kv, *pack(batch, sampling))
 
     def lower(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
@@ -217,17 +215,10 @@ def split_step_fn(
 
 @functools.cache
 def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Callable, Callable]:
-    from jdet.sampling import sample, token_logprobs
-    from jdet.step import jit_step, logits_body, xla_options
-
     if mesh is None:
-        from jdet.ops import Ops
-
         ops = Ops(invariance=invariance)
         forward = logits_body(cfg, ops)
     else:
-        from sharding.tp import tp_logits_body
-
         forward, ops = tp_logits_body(cfg, invariance, mesh)
 
     @jit_step(ops)
@@ -255,8 +246,6 @@ def split_step_here() -> bool:
     """Whether an engine's own step runs as `SplitStep`: on a CPU backend. A GPU keeps one
     program: its sampler compiles once per shape at warm-up anyway, and a second launch per
     step would cost host and device time."""
-    from pallas_kernels import _platform
-
     return _platform.platform() == "cpu"
 
 
@@ -290,8 +279,6 @@ class SplitStep(PackedStep):
         return kv, self.sampler(logits, sampling, words[start:], own)
 
     def warm(self, params: Any, kv: Any, batch: Any, sampling: Any) -> str | None:
-        from jdet import exec_cache
-
         batch, _, words, layout = pack(batch, sampling)
         return exec_cache.prepare(self.fn, params, kv, batch, words, layout)
 
@@ -332,8 +319,6 @@ class SplitScore(PackedStep):
         return kv, self.logprobs(logits, targets)
 
     def warm(self, params: Any, kv: Any, batch: Any, targets: Any) -> str | None:
-        from jdet import exec_cache
-
         return exec_cache.prepare(self.fn, params, kv, *self._packed(batch))
 
     def lower(self, params: Any, kv: Any, batch: Any, targets: Any) -> Any:
@@ -344,8 +329,6 @@ class SplitScore(PackedStep):
 def _neutral_rows(S: int) -> Any:
     """SamplingInputs of S greedy rows: what `pack` needs to lay a score batch out as a step of
     S sequences (their values reach no output: `SplitScore` runs no sampler)."""
-    from jdet.step import SamplingInputs
-
     z = np.zeros(S, np.float32)
     return SamplingInputs(
         temperature=z, top_k=np.zeros(S, np.int32), top_p=z + 1, seed=np.zeros(S, np.uint32),

@@ -7,6 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
+from jdet.fingerprint import fingerprint
+from jdet.loader import load
 from jdet.settings import EngineConfig
 from serving import multihost
 from serving.engine import Engine
@@ -15,8 +19,6 @@ from sharding import distributed
 
 
 def server_fingerprint(model: Any, engine: Engine) -> str:
-    from jdet.fingerprint import fingerprint
-
     return fingerprint(
         model, engine.plan, page_size=engine.page_size, speculative=engine.speculative
     )
@@ -45,10 +47,6 @@ def serve(
     api_key = api_key or os.environ.get("JDET_API_KEY") or None
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    import uvicorn
-
-    from jdet.loader import load  # the loader module, not the jdet package (whose serve() is here)
-
     # a multi-host job (num_processes > 1) starts before the model touches a device
     cluster = distributed.initialize(
         distributed.resolve(engine_kwargs.get("num_processes"), engine_kwargs.get("process_id"),

@@ -11,7 +11,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from jdet.sampling_params import CompletionOutput, RequestOutput
 from serving.engine import Engine
 
 _IDS = itertools.count()
@@ -30,8 +32,6 @@ def generate(
     `sampling_params_list[i]` is any object with SamplingParams' attribute names. A progress bar
     shows for batches of 64+ prompts unless `use_tqdm=False`.
     """
-    from jdet.sampling_params import CompletionOutput, RequestOutput
-
     if engine.has_unfinished():
         raise RuntimeError("generate() needs an idle engine (the server is using this one)")
     if len(sampling_params_list) != len(prompts_token_ids):
@@ -43,8 +43,6 @@ def generate(
         engine.add_request(rid, list(ids), sp)
     bar = None
     if use_tqdm or (use_tqdm is None and len(rids) >= 64):
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(rids), desc="generate", unit="req")
     final: dict[str, Any] = {}
     while engine.has_unfinished():

@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jdet.compile_cache import stats
+
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40)
 _TOK = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -91,8 +93,6 @@ class _CompileCollector:
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
         from prometheus_client.core import CounterMetricFamily
-
-        from jdet.compile_cache import stats
 
         s = stats()
         yield CounterMetricFamily(

@@ -18,19 +18,27 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jdet import compile_cache, exec_cache
+from jdet.batch import build_batch, decode_batch
+from jdet.kv_cache import init_kv_cache
+from jdet.ops import Ops
+from jdet.plan import Plan
+from jdet.step import SamplingInputs, make_score_fn, make_step_fn
+from serving import host_inputs as hi
 from serving import sampler_variants
+from serving.host_inputs import SplitScore
+from serving.logits_rows import LogitsRows
 from serving.page_manager import cdiv
-from serving.sequence import Sequence
+from serving.sequence import Sequence, num_rows, step_tokens
 from serving.shapes import ShapeSet
+from serving.warmup import warmup, warmup_batch
+from sharding.tp import make_tp_runtime
 
 
 def cached_step_fn(cfg: Any, invariance: str, kind: str = "step") -> Callable:
     """The unsharded jitted step (or score) of (config, mode). jdet/step.py caches one per
     (config, Ops), the one step cache: every engine in the process shares it, so a second
     engine on the same model reuses the compiled buckets."""
-    from jdet.ops import Ops
-    from jdet.step import make_score_fn, make_step_fn
-
     make = make_step_fn if kind == "step" else make_score_fn
     return make(cfg, Ops(invariance=invariance))
 
@@ -59,8 +67,6 @@ class ModelRunner:
     ) -> None:
         """`rows_per_seq`: sampled rows one sequence may take in a step (K + 1 with speculative
         decoding, serving/speculative.py): the S bucket allows max_num_seqs of that many."""
-        from jdet.kv_cache import init_kv_cache
-
         self.cfg = model.cfg
         self.params = model.params
         self.page_size = page_size
@@ -78,14 +84,10 @@ class ModelRunner:
         self._score_cached = False  # score_fn behind the executable cache yet (score_step)
         self._split_score: tuple[Callable, Callable] | None = None  # a CPU's (forward, logprobs)
         if sharded is None:  # the plan decides (jdet/plan.py `Plan.sharded`)
-            from jdet.plan import Plan
-
             sharded = Plan(self.cfg, invariance, tp).sharded
         if sharded and step_fn is None:
             # tensor parallel: weights padded and placed on a mesh of `tp` devices, the KV cache
             # split over kv heads, step/score under shard_map (sharding/tp.py)
-            from sharding.tp import make_tp_runtime
-
             rt = make_tp_runtime(model.params, self.cfg, tp, invariance)
             replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
             self.params = rt.params
@@ -105,8 +107,6 @@ class ModelRunner:
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
-        from serving.logits_rows import LogitsRows
-
         # per-request logits transforms and structured output (serving/logits_rows.py)
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
@@ -119,8 +119,6 @@ class ModelRunner:
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/host_inputs.py says why)
-            from serving import host_inputs as hi
-
             if hi.split_step_here():  # a CPU: the forward, then the sampler
                 forward, sampler, logprobs = hi.split_step_fn(self.cfg, invariance, self._mesh)
                 self.step_fn = hi.SplitStep(self._exec_cached(forward, "forward"), sampler)
@@ -139,8 +137,6 @@ class ModelRunner:
         `SplitScore`)."""
         if not self._score_cached:
             if self._split_score is not None:
-                from serving.host_inputs import SplitScore
-
                 forward, logprobs = self._split_score
                 # jdet's executable cache keys it as the score; a shape it shares with a warmed
                 # step compiles once (XLA's persistent cache serves the second, whose entry a
@@ -156,16 +152,12 @@ class ModelRunner:
     def _exec_cached(self, fn: Callable, kind: str) -> Callable:
         """`fn` behind jdet's executable cache (jdet/exec_cache.py; off with the compile cache):
         warm-up loads each shape's executable from disk instead of tracing it."""
-        from jdet import compile_cache, exec_cache
-
         static: dict[str, Any] = {"cfg": repr(self.cfg), "invariance": self.invariance}
         if self._mesh is not None:
             name = f"sharding.tp.make_tp_{kind}"
             devices = list(self._mesh.devices.flat)
             static.update(tp=self.tp, mesh=[list(self._mesh.axis_names), dict(self._mesh.shape)])
         else:
-            from jdet.ops import Ops
-
             name = f"jdet.step.make_{kind}_fn"
             devices = [jax.devices()[0]]
             static["ops"] = repr(Ops(invariance=self.invariance))
@@ -178,10 +170,6 @@ class ModelRunner:
         """The padded numpy StepBatch and SamplingInputs for `plan` (sequences that sample): one
         sampled row per sequence, k + 1 for a speculative verify of k drafts
         (serving/speculative.py)."""
-        from jdet.batch import build_batch
-        from jdet.step import SamplingInputs
-        from serving.speculative import num_rows, step_tokens
-
         T = sum(n for _, n in plan)
         R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
         Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
@@ -225,9 +213,6 @@ class ModelRunner:
         synchronous engine's every decode step): `decode_batch`'s layout, which is
         `build_batch`'s (tests/jdet/test_batch.py), and the plan's kept sampling rows; None
         (the general path) when a row needs LogitsInputs."""
-        from jdet.batch import decode_batch
-        from jdet.step import SamplingInputs
-
         rows = self._ahead_rows(plan, Sp)
         if rows is None:
             return None
@@ -252,8 +237,6 @@ class ModelRunner:
         """The padded numpy StepBatch and targets [T] of score requests (`Sequence.targets`):
         every computed row gives the log-prob of the token after it (the score function's
         shapes: logits rows padded to the T bucket)."""
-        from jdet.batch import build_batch
-
         T = sum(n for _, n in plan)
         Tp, Sp, Pp = self.shapes.fit(T, len(plan), max(len(s.page_table) for s, _ in plan))
         items, targets, t0 = [], np.zeros(Tp, np.int32), 0
@@ -275,8 +258,6 @@ class ModelRunner:
     def as_step(self, batch: Any) -> tuple[Any, Any]:
         """A `prepare_score` batch as a step's inputs (rows: the S bucket's, greedy), for a
         separate draft model, which writes its own K/V of the same tokens (its `mirror`)."""
-        from jdet.step import SamplingInputs
-
         Sp, Pp = batch.page_table.shape
         z = np.zeros(Sp, np.float32)
         sampling = SamplingInputs(
@@ -292,9 +273,6 @@ class ModelRunner:
         host): sequence i's new token sits at position seq.num_tokens (the host does not know
         it yet). None when `tokens` does not have the step's token shape (S bucket != T bucket:
         the caller then runs the step the ordinary way, after the host has the tokens)."""
-        from jdet.batch import decode_batch
-        from jdet.step import SamplingInputs
-
         S = len(plan)
         Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.page_table) for s, _ in plan))
         if tuple(tokens.shape) != (Tp,):
@@ -342,15 +320,11 @@ class ModelRunner:
         variant: sampler_variants.Variant = sampler_variants.FULL,
     ) -> tuple[Any, Any]:  # fmt: skip
         """A junk batch of `shape` that writes no K/V (serving/warmup.py `warmup_batch`)."""
-        from serving.warmup import warmup_batch
-
         return warmup_batch(self, shape, kind, variant)
 
     def warmup(self, kind: str = "step", progress: bool = True, should_stop: Any = None) -> float:
         """Compile (or load) `kind` for every shape of the set (serving/warmup.py `warmup`);
         returns the seconds."""
-        from serving.warmup import warmup
-
         return warmup(self, kind, progress, should_stop)
 
     # ------------------------------------------------------------------ device side

@@ -10,15 +10,22 @@ in the runner's place. The why and the tests are in serving/speculative.py and d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jdet.model import forward
+from jdet.ops import Ops
+from jdet.sampling import _filter_top_k_top_p, row_keys, sample
+from sharding.mesh import tp_size
+from sharding.tp import _gather_vocab, _wrap, make_tp_ops
 
 
 def _pytree(cls: type) -> type:
-    import jax
-
     return jax.tree_util.register_dataclass(dataclasses.dataclass(cls))
 
 
@@ -52,10 +59,6 @@ class SpecSampleOut:
 def target_probs(logits: Any, inp: Any, ops: Any) -> Any:
     """p per row: the distribution `jdet.sampling.sample` draws from (temperature, top-k, top-p;
     greedy rows one-hot at the argmax). Rows with logits transforms are never drafted."""
-    import jax.numpy as jnp
-
-    from jdet.sampling import _filter_top_k_top_p
-
     temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)
     scaled = _filter_top_k_top_p(logits / temp[:, None], inp.top_k, inp.top_p, ops)
     p = jnp.exp(ops.log_softmax(scaled))
@@ -67,11 +70,6 @@ def target_probs(logits: Any, inp: Any, ops: Any) -> Any:
 def rejection_sample(logits: Any, s: SpecSampling, ops: Any, want_probs: bool) -> SpecSampleOut:
     """The seed's rule per row: accept draft d with probability min(1, p(d) / q(d)), else draw
     from norm(max(0, p - q)); randomness keyed by (seed, position) on streams of its own."""
-    import jax
-    import jax.numpy as jnp
-
-    from jdet.sampling import row_keys, sample
-
     logits = logits.astype(jnp.float32)
     out = sample(logits, s.inputs, ops)
     inp = s.inputs
@@ -106,20 +104,9 @@ def rejection_step(cfg: Any, invariance: str, mesh: Any, want_probs: bool) -> Ca
     key = (cfg, invariance, mesh, want_probs)
     if key in _REJ_FNS:
         return _REJ_FNS[key]
-    import functools
-
-    import jax
-
-    from jdet.model import forward
-
     if mesh is None:
-        from jdet.ops import Ops
-
         ops, gather = Ops(invariance=invariance), None
     else:
-        from sharding.mesh import tp_size
-        from sharding.tp import _gather_vocab, make_tp_ops
-
         ops, gather = make_tp_ops(invariance, tp_size(mesh)), _gather_vocab
 
     def body(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
@@ -132,8 +119,6 @@ def rejection_step(cfg: Any, invariance: str, mesh: Any, want_probs: bool) -> Ca
     def step(params: dict, kv: dict, batch: Any, s: SpecSampling) -> tuple:
         if mesh is None:
             return body(params, kv, batch, s)
-        from sharding.tp import _wrap
-
         return _wrap(cfg, mesh, params, kv, body, 1)(params, kv, batch, s)
 
     _REJ_FNS[key] = step

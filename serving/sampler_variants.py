@@ -30,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from jdet.sampling import NUM_TOP
+from pallas_kernels import _platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +96,6 @@ def engine_variants() -> tuple[Variant, ...]:
     filter's sort, ~0.085 ms a step, for one step compile per shape."""
     if VARIANTS is not None:
         return VARIANTS
-    from pallas_kernels import _platform
-
     if _platform.platform() == "cpu":
         return CPU_VARIANTS
     return (LEAN, FULL)

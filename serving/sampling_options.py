@@ -8,6 +8,7 @@ step receives, so nothing that passes them can fail inside the model runner.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -310,8 +311,6 @@ def _opt_tuple(v: object) -> object:
 def _structured(get: object) -> object:
     """SamplingParams' json_schema / json_object / regex / choice / grammar (or an already built
     `structured` tuple) -> ((kind, spec string), ...); JSON values are serialised."""
-    import json
-
     given = get("structured", None)  # type: ignore[operator]
     if given:
         return tuple(given)

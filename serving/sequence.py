@@ -130,6 +130,19 @@ class Sequence:
         )
 
 
+def num_rows(seq: Sequence, n: int) -> int:
+    """Sampled rows of `seq` in a step computing `n` of its tokens: k + 1 for a verify of k
+    drafts, else 1 (a prefill chunk's row is sampled and dropped, as before)."""
+    return 1 + max(0, n - seq.num_uncomputed)
+
+
+def step_tokens(seq: Sequence, n: int) -> list[int]:
+    """The `n` input tokens of `seq` this step: its uncomputed tokens, then its drafts."""
+    start = seq.num_computed_tokens
+    have = seq.token_ids[start : start + n]
+    return have + seq.draft_token_ids[: n - len(have)]
+
+
 @dataclass
 class Request:
     """One request of the engine: its `n` sequences (samples), which share the prompt and whose

@@ -33,6 +33,8 @@ from typing import Any
 
 import jax
 
+from jdet.kv_cache import kv_bytes_per_token
+from pallas_kernels import _platform, xla_fixed
 from serving.page_manager import cdiv
 
 PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
@@ -129,8 +131,6 @@ def single_token_bucket() -> bool:
     compile; batch 2-8 decodes stay at T = 8; `jdet generate` pins its one shape (jdet/cli.py)."""
     if jax.default_backend() != "cpu":
         return False
-    from pallas_kernels import _platform, xla_fixed
-
     return bool(xla_fixed.SMALL_ROW_BLOCKS) and _platform.xla_fixed_default()
 
 
@@ -149,8 +149,6 @@ def default_num_pages(
     """Pages that fit in the free device memory (GPU), or on a CPU enough for a full batch up
     to CPU_MAX_PAGES (16k tokens at page 16: every engine allocates and zeroes its pool, ~0.5 s
     for the embedded model's former 4096-page default on the 2-core machine)."""
-    from jdet.kv_cache import kv_bytes_per_token
-
     page_bytes = kv_bytes_per_token(cfg, dtype) * page_size
     try:
         stats = jax.devices()[0].memory_stats() or {}

@@ -58,26 +58,14 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import jax
 import numpy as np
 
 from jdet.spec_config import SpeculativeConfig
 from serving.draft_model import ModelDraft
 from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
-from serving.sequence import Sequence, Status
+from serving.sequence import Sequence, Status, num_rows
 from serving.spec_adaptive import AdaptiveK
-
-
-def num_rows(seq: Sequence, n: int) -> int:
-    """Sampled rows of `seq` in a step computing `n` of its tokens: k + 1 for a verify of k
-    drafts, else 1 (a prefill chunk's row is sampled and dropped, as before)."""
-    return 1 + max(0, n - seq.num_uncomputed)
-
-
-def step_tokens(seq: Sequence, n: int) -> list[int]:
-    """The `n` input tokens of `seq` this step: its uncomputed tokens, then its drafts."""
-    start = seq.num_computed_tokens
-    have = seq.token_ids[start : start + n]
-    return have + seq.draft_token_ids[: n - len(have)]
 
 
 def ngram_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -240,8 +228,6 @@ class Speculator:
 
     def fetch_extra(self, out: Any, rows: int) -> dict[str, np.ndarray]:
         """Rejection mode: the rule's per-row outcome, brought to the host."""
-        import jax
-
         names = ["accept", "resid", "resid_lp", "draft_lp"]
         got = jax.device_get([getattr(out, k) for k in names])
         return {k: np.asarray(v)[:rows] for k, v in zip(names, got, strict=True)}

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from jdet.tokenizer import FastTokenizer
 from serving.sampling_options import InvalidRequest
 
 
@@ -46,8 +47,6 @@ def _lg() -> Any:
 @functools.lru_cache(maxsize=8)
 def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
     """llguidance's view of the tokenizer (about a second for a 150k vocabulary: cached)."""
-    from jdet.tokenizer import FastTokenizer
-
     lg = _lg()
     if isinstance(tokenizer, FastTokenizer):  # llguidance takes transformers' own class only
         tokenizer = tokenizer.hf

@@ -10,7 +10,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
+from jdet import exec_cache
+from jdet.batch import StepBatch
+from jdet.step import SamplingInputs
 from serving import sampler_variants
 
 
@@ -23,9 +27,6 @@ def warmup_batch(
     min(T, Pmax * B) tokens; the rest is padding. For "score" the second item is the
     targets [T], for "step" the SamplingInputs [S] of the sampler `variant` (top-p on where
     the variant filters and temperature 1 where it draws, so nothing is left out)."""
-    from jdet.batch import StepBatch
-    from jdet.step import SamplingInputs
-
     Tp, Sp, Pp = shape
     n = min(Tp, Pp * runner.page_size)
     tok = np.arange(Tp, dtype=np.int32) % runner.cfg.vocab_size
@@ -60,8 +61,6 @@ def warmup(
     of the set — a step for each sampler variant a step may run (serving/sampler_variants.py)
     — running each once on a junk batch that writes nothing: safe at any time. Shows a tqdm
     bar naming shape k of n and the seconds taken. Returns the seconds."""
-    from jdet import exec_cache
-
     if kind == "step":  # from now on the steps run only the variants compiled here
         runner.variants = sampler_variants.engine_variants()  # the set now (tests may set it)
         runner._ahead_key = None  # rows prepared with a variant of an earlier set
@@ -71,8 +70,6 @@ def warmup(
     fn = runner.score_step() if kind == "score" else runner.step_fn
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=len(shapes), desc=f"jdet: compiling {kind} shapes", unit="shape")
     t_all = time.perf_counter()
     try:
