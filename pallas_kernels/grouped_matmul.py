@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, xla_fixed
 from pallas_kernels.combine import combine_tree
 from pallas_kernels.tree_matmul import tree_plan
 
@@ -83,8 +83,6 @@ def tile_rows(backend: str | None = None) -> int:
     """block_m of the kernel `backend` resolves to: 8 on the CPU path, the Pallas kernel's
     block_m otherwise (a constant: never a function of the rows)."""
     if _mm.resolve_backend(backend) == "xla":
-        from pallas_kernels import xla_fixed
-
         return xla_fixed.BM
     return _mm.tile_config(1, 1, jnp.bfloat16).block_m
 
@@ -126,8 +124,6 @@ def scatter_rows(y: jax.Array, tiles: GroupedTiles) -> jax.Array:
 # -- the CPU path (xla_fixed's dots) ---------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
 def _grouped_xla(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
-    from pallas_kernels import xla_fixed
-
     bm = xla_fixed.BM
     dtype = jnp.promote_types(xs.dtype, w.dtype)
     p = xs.shape[0]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, xla_fixed
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
@@ -177,8 +177,6 @@ def matmul(
     out_dtype = jnp.dtype(out_dtype or dtype)
     resolved = resolve_backend(backend)
     if resolved == "xla":
-        from pallas_kernels import xla_fixed
-
         return xla_fixed.matmul(a, b, out_dtype)
     if resolved == "mosaic":
         from pallas_kernels import matmul_mosaic

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, xla_fixed
 from pallas_kernels._platform import as_float, kv_compute_dtype
 from pallas_kernels.paged_attention_kernels import ROWS, _check, default_block_kv
 from pallas_kernels.paged_attention_pallas import _paged_attention_pallas
@@ -119,8 +119,6 @@ def paged_attention(
         )  # fmt: skip
     if q_heads is not None:
         raise ValueError("paged_attention: q_heads (query tiles) needs the Pallas backend")
-    from pallas_kernels import xla_fixed
-
     one = k_cache
     if layer is not None:
         if k_cache.ndim != 5:

@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, xla_fixed
+from pallas_kernels.combine import combine_tree
 
 
 def _load(ref, mask, other):
@@ -138,8 +139,6 @@ def rms_norm(
         want = "w[L, D] with `layer`" if stacked else "w[D]"
         raise ValueError(f"rms_norm expects x[T, D] and {want}; got {x.shape} and {w.shape}")
     if _platform.resolve(backend, "rms_norm") == "xla":
-        from pallas_kernels import xla_fixed
-
         return xla_fixed.rms_norm(x, w[layer] if stacked else w, float(eps))
     if stacked:
         return _rms_norm_pallas(x, w.reshape(-1), float(eps), jnp.asarray(layer, jnp.int32))
@@ -238,8 +237,6 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
     """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
     tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
     array (indexed like the stacked weight: the proven way to address a slice in place)."""
-    from pallas_kernels.combine import combine_tree
-
     d = x_ref.shape[0]
     row = pl.program_id(0)
     w_off = layer_ref[0] * d

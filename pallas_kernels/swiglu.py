@@ -23,14 +23,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.matmul import resolve_backend
+
 # 1: the gate|up projection ends in SwiGLU on Hopper (a plan choice: 0 gives other bits).
 SWIGLU_EPILOGUE = 1
 
 
 def supported(k: int, two_f: int, dtype) -> bool:
     """Whether `matmul_swiglu` runs for a [K, 2F] gate|up weight of `dtype` (shapes only)."""
-    from pallas_kernels.matmul import resolve_backend
-
     if not SWIGLU_EPILOGUE or resolve_backend(None) != "mosaic":
         return False
     return jnp.dtype(dtype).itemsize == 2 and k % 64 == 0 and two_f % 256 == 0

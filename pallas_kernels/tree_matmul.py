@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import xla_fixed
 from pallas_kernels.combine import combine_tree  # noqa: F401 (re-exported: the leaves' order)
 
 # By module path: the package re-exports the *function* `matmul` under the same name.
@@ -107,8 +108,6 @@ def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | N
     dtype = _mm._check_operands(a, b)
     resolved = _mm.resolve_backend(backend)
     if resolved == "xla":
-        from pallas_kernels import xla_fixed
-
         leaf_k = tree_plan(k_total, dtype).leaf_k
         return xla_fixed.tree_subtree(
             a, b, leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=jnp.dtype(out_dtype)

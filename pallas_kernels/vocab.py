@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _platform
+from pallas_kernels import _platform, xla_fixed
 
 
 def _load(ref, mask, other):
@@ -177,8 +177,6 @@ def logsumexp(x: jax.Array, *, backend: str | None = None) -> jax.Array:
     """Row-wise logsumexp of x[N, V] in f32, batch invariant. `backend`: 'auto' (this kernel;
     `xla_fixed` on a CPU unless JDET_PALLAS_INTERPRET=1), 'pallas' or 'xla'."""
     if _use_xla(x, backend, "logsumexp"):
-        from pallas_kernels import xla_fixed
-
         return xla_fixed.logsumexp(x)
     return _logsumexp_pallas(x)
 
@@ -186,8 +184,6 @@ def logsumexp(x: jax.Array, *, backend: str | None = None) -> jax.Array:
 def log_softmax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
     """Row-wise log_softmax of x[N, V] in f32, batch invariant. `backend` as in `logsumexp`."""
     if _use_xla(x, backend, "log_softmax"):
-        from pallas_kernels import xla_fixed
-
         return xla_fixed.log_softmax(x)
     return _log_softmax_pallas(x)
 

@@ -93,9 +93,11 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 from jax import lax
 
 from pallas_kernels import xla_blocked
@@ -136,10 +138,6 @@ def small_row_blocks_verified(jaxlib_version: str, machine: str, cpu_flags: froz
 
 def small_row_blocks_verified_here() -> bool:
     """`small_row_blocks_verified` for this process's jaxlib and host CPU."""
-    import platform
-
-    import jaxlib
-
     return small_row_blocks_verified(jaxlib.__version__, platform.machine(), host_cpu_flags())
 
 
