@@ -18,13 +18,13 @@ import numpy as np
 
 from jdet.fingerprint import fingerprint
 from jdet.loader import Model, load
+from jdet.request_fields import InvalidRequest, check_prompt_ids
 from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 from jdet.settings import EngineConfig
 from jdet.spec_config import SpeculativeConfig
 from serving import llm_backend, multihost
 from serving.engine import Engine
-from serving.sampling_options import InvalidRequest, check_prompt_ids
 from sharding import distributed
 
 Prompt = str | Sequence[int]

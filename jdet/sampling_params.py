@@ -3,52 +3,56 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
-from serving.sampling_options import SamplingOptions
+from jdet.request_fields import API_FIELDS, check, did_you_mean, engine_values
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. Validated at construction: bad values never reach the engine.
-    Frozen: a request's settings cannot change after the check (use dataclasses.replace)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None  # number of top log-probs to return per generated token
-    # Logits transforms, row-local so a request's bits never depend on its batch (jdet/sampling.py
-    # gives the order). Names and meanings as in the OpenAI API and vLLM.
-    presence_penalty: float = 0.0  # [-2, 2]: minus this for each token already generated
-    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's generated count
-    repetition_penalty: float = 1.0  # (0, 100]: prompt + generated tokens; > 1 discourages
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    min_p: float = 0.0  # keep tokens with p >= min_p * p_max (after temperature)
-    min_tokens: int = 0  # EOS and stop_token_ids banned until this many (stop strings apply)
-    bad_words: list[str] | None = None  # words never generated (vLLM's token-sequence rule)
-    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
-    prompt_logprobs: int | None = None  # 0: also return the prompt tokens' log-probs
-    # Structured output (at most one): a JSON schema (dict or JSON text), any JSON object,
-    # a regular expression, one of a list of strings, or a Lark grammar (llguidance syntax).
-    json_schema: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+class _Params:
+    """SamplingParams' methods (its fields come from the table)."""
 
     def __post_init__(self) -> None:
         # One validation for every entry point (LLM, server, CLI, engine): the bounds are those
         # of the arrays the step receives, so a value that passes cannot fail inside a step.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
-        SamplingOptions.from_any(self).check()
+        check(SimpleNamespace(**engine_values(self)))
+
+
+SamplingParams = dataclasses.make_dataclass(
+    "SamplingParams",
+    [(f.name, f.annotation, dataclasses.field(default=f.default)) for f in API_FIELDS],
+    bases=(_Params,),
+    frozen=True,
+)
+SamplingParams.__module__ = __name__  # make_dataclass's `module=` needs Python 3.12
+SamplingParams.__doc__ = (
+    "How to sample one request (jdet/request_fields.py `FIELDS`: each field's meaning and bounds). "
+    "Validated at construction: bad values never reach the engine. Frozen: a request's settings "
+    "cannot change after the check (use dataclasses.replace).\n\n"
+    + "\n".join(f"{f.name}: {f.annotation} = {f.default!r}  ({f.help})" for f in API_FIELDS)
+)
+_init = SamplingParams.__init__
+
+
+@functools.wraps(_init)  # keeps the generated signature (help(), inspect)
+def _init_naming_near_misses(self: Any, *args: Any, **kwargs: Any) -> None:
+    unknown = [k for k in kwargs if k not in _NAMES]
+    if unknown:
+        k = unknown[0]
+        raise TypeError(
+            f"SamplingParams got an unexpected keyword argument {k!r}"
+            f"{did_you_mean(k, _NAMES)}; its fields: {', '.join(_NAMES)}"
+        )
+    _init(self, *args, **kwargs)
+
+
+_NAMES = tuple(f.name for f in API_FIELDS)
+SamplingParams.__init__ = _init_naming_near_misses
 
 
 @dataclasses.dataclass

@@ -5,8 +5,14 @@ out-of-range value, unsupported feature) must answer in the OpenAI error format 
 `param`, and nothing invalid may reach the engine thread. Checks that need the model (vocabulary,
 `max_model_len`, chat template) and the parsing itself are in serving/request_parsing.py
 (`parse`, `check_prompt`, `sampling_options`, called by the server); they end in the shared
-boundary check of serving/sampling_options.py (`SamplingOptions.check`, `check_prompt_ids`) that
-`jdet.LLM` and the engine use too.
+boundary check of jdet/request_fields.py (`check`, `check_prompt_ids`) that `jdet.LLM` and the
+engine use too.
+
+The sampling fields (temperature ... guided_grammar) are not written here: they are generated from
+jdet/request_fields.py `FIELDS`, the one declaration of every request field, with its HTTP name,
+the endpoints that take it and the limits HTTP adds. Pydantic checks their JSON types and those
+limits; their bounds are the shared check's. What is written here is what only HTTP has: the
+prompt or messages, streaming, echo, response_format, and the fields refused or ignored by name.
 
 A parameter is either honoured or refused by name: unknown fields are a 400 naming them, except
 the documented no-ops in `ACCEPTED_NO_OPS`; vLLM/OpenAI extras jdet does not implement are listed,
@@ -16,15 +22,12 @@ with the reason, in `UNSUPPORTED` (one place: delete an entry when the feature l
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 
-from serving.sampling_options import (
-    INT32_MAX,
-    MAX_LOGIT_BIAS,
-    NUM_TOP,
-)
+from jdet.request_fields import INT32_MAX, RequestField, http_fields
+from jdet.sampling import NUM_TOP
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts per completions request
@@ -93,6 +96,29 @@ def clip(text: object, limit: int = MAX_ECHO) -> str:
 
 Int = StrictInt
 Num = Annotated[float, Field(strict=False)]
+# a table field's Python type -> the JSON type its HTTP field takes (None: absent, the default)
+JSON_TYPES: dict[str, Any] = {
+    "float": Num | None,
+    "int": Int | None,
+    "int | None": Int | None,
+    "bool": StrictBool,
+    "str | None": StrictStr | None,
+    "str | list[str] | None": StrictStr | list[StrictStr] | None,
+    "list[str] | None": list[StrictStr] | None,
+    "list[int] | None": list[Int] | None,
+    "dict[int, float] | None": dict[str, Num] | None,  # JSON object keys are strings
+    "dict | str | None": dict[str, Any] | StrictStr | None,
+}
+
+
+def sampling_fields(endpoint: str, *, only: bool = False) -> dict[str, Any]:
+    """Pydantic field definitions of the table's fields `endpoint` takes (`only`: those no other
+    endpoint takes)."""
+    def spec(f: RequestField) -> tuple[Any, Any]:
+        default = False if f.annotation == "bool" else None
+        return JSON_TYPES[f.annotation], Field(default, **f.http_limits)
+
+    return {f.http: spec(f) for f in http_fields(endpoint) if (len(f.endpoints) == 1) == only}
 
 
 class RequestError(Exception):
@@ -122,69 +148,47 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class CommonRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are refused)."""
+class _Common(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are refused);
+    `CommonRequest` adds the table's sampling fields."""
 
     model_config = ConfigDict(extra="forbid")
+    endpoint: ClassVar[str] = "chat"  # which of the table's fields it takes
 
     model: StrictStr
-    max_tokens: Int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: Num | None = Field(None, ge=0, le=2)
-    top_p: Num | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1, le=INT32_MAX)
-    n: Int = Field(1, ge=1, le=MAX_N)
-    seed: Int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP * 4)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool = False
-    presence_penalty: Num | None = Field(None, ge=-2, le=2)
-    frequency_penalty: Num | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Num] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: StrictStr | None = None
-    # vLLM extras (jdet/sampling.py gives their semantics and order)
-    repetition_penalty: Num | None = Field(None, gt=0, le=100)
-    min_p: Num | None = Field(None, ge=0, le=1)
-    min_tokens: Int | None = Field(None, ge=0, le=INT32_MAX)
-    bad_words: list[StrictStr] | None = Field(None, max_length=MAX_STOP * 4)
-    allowed_token_ids: list[Int] | None = Field(None, max_length=1 << 20)
-    guided_json: dict[str, Any] | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=1024)
-    guided_grammar: StrictStr | None = None
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The table's fields this request sent, by their Python API / engine names."""
+        out = {}
+        for f in http_fields(self.endpoint):
+            v = getattr(self, f.http)
+            if v is not None:
+                out[f.name] = v
+        return out
 
     def structured(self) -> tuple[tuple[str, str], ...]:
-        """The structured-output constraint(s) asked for, as SamplingOptions.structured."""
-        out = []
-        if self.guided_json is not None:
-            g = self.guided_json
-            out.append(("json_schema", g if isinstance(g, str) else json.dumps(g)))
-        if self.guided_regex is not None:
-            out.append(("regex", self.guided_regex))
-        if self.guided_choice is not None:
-            out.append(("choice", json.dumps(self.guided_choice)))
-        if self.guided_grammar is not None:
-            out.append(("grammar", self.guided_grammar))
-        return tuple(out)
+        """Structured output asked for outside the table's fields (chat's response_format)."""
+        return ()
 
     def unsupported(self) -> None:
         """Reject features jdet does not implement rather than silently ignoring them."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP:
+        stop = self.stop  # type: ignore[attr-defined]
+        if not isinstance(stop, str) and len(stop or ()) > MAX_STOP:
             raise RequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
-        if any(s == "" for s in stops):
-            raise RequestError("stop strings must be non-empty", "stop")
-
-    def stops(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class CompletionRequest(CommonRequest):
+CommonRequest = create_model("CommonRequest", __base__=_Common, **sampling_fields("chat"))
+CommonRequest.__module__ = __name__
+
+
+class _Completion(CommonRequest):
+    endpoint: ClassVar[str] = "completions"
     prompt: StrictStr | list[StrictStr] | list[Int] | list[list[Int]]
-    logprobs: Int | None = Field(None, ge=0, le=NUM_TOP)
     echo: StrictBool = False
     best_of: Int | None = None
     suffix: StrictStr | None = None
@@ -197,7 +201,7 @@ class CompletionRequest(CommonRequest):
                 "HTTP yet); send echo without logprobs, or use jdet.LLM.score",
                 "echo",
             )
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError(
                 "best_of is not supported (it must equal n or be omitted)", "best_of"
             )
@@ -218,6 +222,12 @@ class CompletionRequest(CommonRequest):
         if len(out) > MAX_PROMPTS:
             raise RequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return out
+
+
+CompletionRequest = create_model(
+    "CompletionRequest", __base__=_Completion, **sampling_fields("completions", only=True)
+)
+CompletionRequest.__module__ = __name__
 
 
 class TextPart(BaseModel):
@@ -257,9 +267,9 @@ class ChatCompletionRequest(CommonRequest):
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
 
     def structured(self) -> tuple[tuple[str, str], ...]:
-        """guided_* extras plus response_format: {"type": "text" | "json_object" |
-        "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
-        out = list(super().structured())
+        """response_format: {"type": "text" | "json_object" | "json_schema", "json_schema":
+        {"name", "schema", "strict", "description"}} (the guided_* extras are table fields)."""
+        out: list[tuple[str, str]] = []
         rf = self.response_format
         if rf is None:
             return tuple(out)

@@ -3,26 +3,36 @@
 `parse` turns JSON bytes into one of serving/protocol.py's schemas, refusing (as a RequestError
 naming the field) malformed JSON, bodies nested deeper than MAX_JSON_DEPTH, lone surrogates,
 unsupported and unknown fields; `check_prompt` and `sampling_options` add the checks that need the
-model and end in the shared boundary check (serving/sampling_options.py).
+model and end in the shared boundary check (jdet/request_fields.py `check`).
+
+Defaults are OpenAI's where the OpenAI API has one: /v1/completions without `max_tokens` generates
+at most 16 tokens (`COMPLETIONS_MAX_TOKENS`); /v1/chat/completions without `max_tokens` or
+`max_completion_tokens` has no limit of its own in the OpenAI API, so it runs until EOS, a stop
+or the end of `max_model_len`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from pydantic import ValidationError
 
+from jdet.request_fields import did_you_mean
 from serving.protocol import (
     ACCEPTED_NO_OPS,
     MAX_JSON_DEPTH,
     SAME_AS_JDET,
     UNSUPPORTED,
     CommonRequest,
+    CompletionRequest,
     RequestError,
     clip,
 )
 from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
 def _path(link: tuple | None) -> str:
@@ -85,8 +95,9 @@ def _check_fields(obj: dict, schema: type[CommonRequest]) -> dict:
     if unknown:
         names = ", ".join(clip(k, 40) for k in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        hint = did_you_mean(unknown[0][:100], schema.model_fields)
         raise RequestError(
-            f"unknown field(s) {names}{more}; remove them (accepted no-ops: "
+            f"unknown field(s) {names}{more}{hint}; remove them (accepted no-ops: "
             f"{', '.join(sorted(ACCEPTED_NO_OPS))})",
             unknown[0][:40],
         )
@@ -127,67 +138,39 @@ def check_prompt(ids: list[int], *, vocab_size: int, max_model_len: int, param: 
         raise RequestError(str(e), param) from None
 
 
-def _logit_bias(b: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> sorted (id, bias)."""
-    if not b:
-        return ()
-    out = []
-    for k, v in b.items():
-        if not k.isdigit() or len(k) > 10:
-            raise RequestError(
-                f"logit_bias keys must be token ids (decimal integers), got {clip(k, 40)}",
-                "logit_bias",
-            )
-        if not -100 <= v <= 100:
-            raise RequestError(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
-        out.append((int(k), float(v)))
-    return tuple(sorted(out))
-
-
 def sampling_options(
     req: CommonRequest,
     *,
     prompt_len: int,
     max_model_len: int,
-    logprobs: int | None,
-    max_tokens: int | None,
     vocab_size: int | None = None,
 ) -> SamplingOptions:
-    """Engine sampling options for one prompt of a validated request."""
+    """Engine sampling options for one prompt of a validated request: the table's fields it
+    sent, the endpoint's own (chat's logprobs / top_logprobs, max_completion_tokens,
+    response_format), its defaults, then the shared boundary check."""
+    values = req.sampling_values()
     room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        field = (
-            "max_completion_tokens"
-            if getattr(req, "max_completion_tokens", None)
-            else ("max_tokens")
-        )
+    field = "max_tokens"
+    if isinstance(req, CompletionRequest):
+        max_tokens = values.get("max_tokens")
+        if max_tokens is None:  # OpenAI's default, within what the prompt leaves
+            values["max_tokens"] = min(COMPLETIONS_MAX_TOKENS, room)
+    else:
+        if req.max_completion_tokens is not None:
+            field, values["max_tokens"] = "max_completion_tokens", req.max_completion_tokens
+        values.setdefault("max_tokens", room)
+        values["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = values["max_tokens"]
+    if isinstance(max_tokens, int) and max_tokens > room:
         raise RequestError(
             f"{field}={max_tokens} plus the prompt's {prompt_len} tokens exceeds "
             f"max_model_len={max_model_len}; ask for at most {room}",
             field,
         )
-    opts = SamplingOptions(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
-        seed=req.seed,
-        max_tokens=max_tokens if max_tokens is not None else room,
-        n=req.n,
-        stop=req.stops(),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        presence_penalty=float(req.presence_penalty or 0.0),
-        frequency_penalty=float(req.frequency_penalty or 0.0),
-        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-        min_p=float(req.min_p or 0.0),
-        min_tokens=req.min_tokens or 0,
-        logit_bias=_logit_bias(req.logit_bias),
-        bad_words=tuple(req.bad_words or ()),
-        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-        structured=req.structured(),
-    )
     try:
+        opts = SamplingOptions.from_any(values)
+        if req.structured():
+            opts = dataclasses.replace(opts, structured=opts.structured + req.structured())
         return opts.check(vocab_size)
     except InvalidRequest as e:  # the shared bounds (int32, u32 seeds, vocabulary)
-        raise RequestError(str(e), e.field) from None
+        raise RequestError(str(e), field if e.field == "max_tokens" else e.field) from None

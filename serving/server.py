@@ -80,7 +80,19 @@ def build_app(
 
     app = FastAPI(title="jdet", version="1", lifespan=lifespan)
     app.state.jdet = st
-    eng = engine
+    add_error_handlers(app)
+    if api_key:
+        open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    add_info_routes(app, st)
+    gen = Generation(st, max_body_bytes, chat_template)
+    app.post("/v1/completions")(gen.completions)
+    app.post("/v1/chat/completions")(gen.chat)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI error format; a client gone is a 499 nobody reads."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -103,28 +115,9 @@ def build_app(
         err = RequestError(f"internal error: {type(e).__name__}", None, 500)
         return JSONResponse(err.body(), status_code=500)
 
-    if api_key:
-        open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
-    async def read_body(request: Request) -> bytes:
-        """The request body, refused with 413 as soon as it exceeds `max_body_bytes` (before it
-        is all read, so a 10 GB upload costs the server nothing)."""
-        too_big = RequestError(f"request body exceeds {max_body_bytes} bytes; send a shorter "
-                               "request", None, 413, "request_too_large")  # fmt: skip
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise RequestError("Content-Length header is not a number", None)
-            if int(declared) > max_body_bytes:
-                raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+def add_info_routes(app: FastAPI, st: ServerState) -> None:
+    """/health, /metrics and /v1/models."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -140,27 +133,68 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
-            eng.metrics.render().decode(), media_type="text/plain; version=0.0.4"
+            st.engine.metrics.render().decode(), media_type="text/plain; version=0.0.4"
         )
 
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "jdet",
-                "max_model_len": eng.max_model_len}  # fmt: skip
+                "max_model_len": st.engine.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    def check_model(name: str) -> None:
-        if name != st.model_name:
-            raise RequestError(f"model {clip(name)} does not exist; this server serves "
-                               f"{st.model_name!r}", "model", 404, "model_not_found")  # fmt: skip
 
-    async def encode(text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
+class Generation:
+    """/v1/completions and /v1/chat/completions: read and check a request (parsing,
+    tokenisation and the chat template in worker threads, so a large prompt never blocks the
+    event loop), submit it to the engine thread, then stream or collect its outputs."""
+
+    def __init__(self, st: ServerState, max_body_bytes: int, chat_template: str | None) -> None:
+        self.st, self.eng, self.tok = st, st.engine, st.tokenizer
+        self.max_body_bytes = max_body_bytes
+        self.chat_template = chat_template
+
+    # ------------------------------------------------------------------ shared steps
+    async def read(self, request: Request, schema: type) -> Any:
+        """The request body, parsed and checked against `schema`; the model it names, and that
+        stop strings have a tokenizer."""
+        req = await asyncio.to_thread(parse, await self.read_body(request), schema)
+        if req.model != self.st.model_name:
+            raise RequestError(
+                f"model {clip(req.model)} does not exist; this server serves "
+                f"{self.st.model_name!r}", "model", 404, "model_not_found",
+            )  # fmt: skip
+        if req.stop and self.tok is None:
+            raise RequestError("stop strings need a tokenizer", "stop")
+        return req
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it exceeds `max_body_bytes` (before it
+        is all read, so a 10 GB upload costs the server nothing)."""
+        limit = self.max_body_bytes
+        too_big = RequestError(f"request body exceeds {limit} bytes; send a shorter "
+                               "request", None, 413, "request_too_large")  # fmt: skip
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError("Content-Length header is not a number", None)
+            if int(declared) > limit:
+                raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def encode(self, text: str, add_special: bool = True, param: str = "prompt") -> list[int]:
         """Tokenise in a worker thread: a long prompt must not stall every other stream."""
-        if st.tokenizer is None:
+        tok = self.tok
+        if tok is None:
             raise RequestError("this model has no tokenizer; send prompts as token ids", param)
 
         def run_tokenizer() -> list[int]:
-            return list(st.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+            return list(tok(text, add_special_tokens=add_special)["input_ids"])
 
         try:
             return await asyncio.to_thread(run_tokenizer)
@@ -169,23 +203,32 @@ def build_app(
                 f"{param} could not be tokenised ({type(e).__name__}: {clip(str(e), 200)})", param
             ) from None
 
-    async def check_transforms(opts: SamplingOptions) -> None:
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        """Token ids in the vocabulary, shorter than max_model_len."""
+        eng = self.eng
+        check_prompt(ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len,
+                     param=param)  # fmt: skip
+
+    def options(self, req: Any, ids: list[int]) -> SamplingOptions:
+        """The engine's options for one prompt, through the shared boundary check."""
+        eng = self.eng
+        return sampling_options(req, prompt_len=len(ids), max_model_len=eng.max_model_len,
+                                vocab_size=eng.cfg.vocab_size)  # fmt: skip
+
+    async def check_transforms(self, opts: SamplingOptions) -> None:
         """Compile the structured-output constraint (and tokenise bad_words) in a worker thread,
         so a bad schema is this request's 400 and a large one never stalls the event loop."""
         try:
-            await asyncio.to_thread(eng.runner.logits_rows.check, opts)
+            await asyncio.to_thread(self.eng.runner.logits_rows.check, opts)
         except ValueError as e:
             raise RequestError(str(e), getattr(e, "field", None)) from None
 
-    def check_stop_ids(req: Any) -> None:
-        if req.stop and st.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer", "stop")
-
-    async def run(
-        prompts: list[list[int]], opts: list[SamplingOptions], prefix: str, kind: str
+    def submit(
+        self, prompts: list[list[int]], opts: list[SamplingOptions], prefix: str, kind: str
     ) -> tuple[list[str], asyncio.Queue, dict]:
         """Submit the requests of one response: their ids, their output queue, and the head
         fields every chunk or response of it carries."""
+        st = self.st
         cid = f"{prefix}-{uuid.uuid4().hex}"
         head = {"id": cid, "object": kind, "created": int(time.time()), "model": st.model_name,
                 "system_fingerprint": st.fingerprint}  # fmt: skip
@@ -196,103 +239,99 @@ def build_app(
         return rids, q, head
 
     # ------------------------------------------------------------------ completions
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        body = await read_body(request)
-        req: CompletionRequest = await asyncio.to_thread(parse, body, CompletionRequest)
-        check_model(req.model)
-        check_stop_ids(req)
+    async def completions(self, request: Request) -> Any:
+        req: CompletionRequest = await self.read(request, CompletionRequest)
         prompts = []
         for p in req.prompts():
-            ids = await encode(p) if isinstance(p, str) else list(p)
-            check_prompt(
-                ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len, param="prompt"
-            )
+            ids = await self.encode(p) if isinstance(p, str) else list(p)
+            self.check_prompt(ids, "prompt")
             prompts.append(ids)
-        opts = [
-            sampling_options(
-                req,
-                prompt_len=len(ids),
-                max_model_len=eng.max_model_len,
-                logprobs=req.logprobs,
-                max_tokens=req.max_tokens,
-                vocab_size=eng.cfg.vocab_size,
-            )
-            for ids in prompts
-        ]
-        await check_transforms(opts[0])
+        opts = [self.options(req, ids) for ids in prompts]
+        await self.check_transforms(opts[0])  # the same constraint for every prompt
         echoes = [  # echo=true: each choice's text starts with its prompt
-            ("" if not req.echo else p if isinstance(p, str) else decode_text(st.tokenizer, p))
+            ("" if not req.echo else p if isinstance(p, str) else decode_text(self.tok, p))
             for p in req.prompts()
         ]
-        rids, q, head = await run(prompts, opts, "cmpl", "text_completion")
-        index = {rid: i for i, rid in enumerate(rids)}
-        n = req.n
-        want_lp = req.logprobs is not None
-        tok = st.tokenizer
-
+        rids, q, head = self.submit(prompts, opts, "cmpl", "text_completion")
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            offsets: dict[tuple[str, int], int] = {}  # text already streamed per choice
-            first = [  # echo: the prompt comes first
-                {**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                      "finish_reason": None}]}  # fmt: skip
-                for i, text in enumerate(echoes)
-                for j in (range(n) if text else ())
-            ]
-
-            def choice(o: RequestUpdate, c: Any) -> dict:
-                key = (o.request_id, c.index)
-                lp = None
-                if want_lp:
-                    lp = completion_logprobs(
-                        tok, c, c.delta_start, len(c.token_ids), offsets.get(key, 0)
-                    )
-                offsets[key] = offsets.get(key, 0) + len(c.delta_text)
-                return {
-                    "index": index[o.request_id] * n + c.index,
-                    "text": c.delta_text,
-                    "logprobs": lp,
-                    "finish_reason": stream_finish(c),
-                }
-
-            events = sse_stream(
-                guarded(results(st.driver, rids, q)), head, first, choice,
-                include_usage=include_usage, usage=lambda finals: usage(prompts, finals),
-            )  # fmt: skip
-            return StreamingResponse(events, media_type="text/event-stream")
-
-        finals = await collect(results(st.driver, rids, q, request))
+            return self.stream_completions(req, opts[0].n, prompts, echoes, rids, q, head)
+        finals = await collect(results(self.st.driver, rids, q, request))
+        index = {rid: i for i, rid in enumerate(rids)}
+        n, want_lp, tok = opts[0].n, req.logprobs is not None, self.tok
 
         def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
             choices = []
             for rid in rids:
                 for c in finals[rid].outputs:
                     lp = completion_logprobs(tok, c, 0, len(c.token_ids), 0) if want_lp else None
-                    choices.append(
-                        {
-                            "index": index[rid] * n + c.index,
-                            "text": echoes[index[rid]] + c.text,
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason,
-                            "seed": c.seed,
-                        }
-                    )
+                    choices.append({"index": index[rid] * n + c.index,
+                                    "text": echoes[index[rid]] + c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "seed": c.seed})  # fmt: skip
             return choices
 
         choices = await asyncio.to_thread(build)
         return {**head, "choices": choices, "usage": usage(prompts, finals)}
 
+    def stream_completions(self, req: CompletionRequest, n: int, prompts: list[list[int]],
+                           echoes: list[str], rids: list[str], q: asyncio.Queue,
+                           head: dict) -> StreamingResponse:  # fmt: skip
+        index = {rid: i for i, rid in enumerate(rids)}
+        want_lp, tok = req.logprobs is not None, self.tok
+        offsets: dict[tuple[str, int], int] = {}  # text already streamed per choice
+        first = [  # echo: the prompt comes first
+            {**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                  "finish_reason": None}]}  # fmt: skip
+            for i, text in enumerate(echoes)
+            for j in (range(n) if text else ())
+        ]
+
+        def choice(o: RequestUpdate, c: Any) -> dict:
+            key = (o.request_id, c.index)
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(tok, c, c.delta_start, len(c.token_ids),
+                                         offsets.get(key, 0))  # fmt: skip
+            offsets[key] = offsets.get(key, 0) + len(c.delta_text)
+            return {"index": index[o.request_id] * n + c.index, "text": c.delta_text,
+                    "logprobs": lp, "finish_reason": stream_finish(c)}  # fmt: skip
+
+        events = sse_stream(
+            guarded(results(self.st.driver, rids, q)), head, first, choice,
+            include_usage=include_usage(req), usage=lambda finals: usage(prompts, finals),
+        )  # fmt: skip
+        return StreamingResponse(events, media_type="text/event-stream")
+
     # ------------------------------------------------------------------ chat
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        body = await read_body(request)
-        req: ChatCompletionRequest = await asyncio.to_thread(parse, body, ChatCompletionRequest)
-        check_model(req.model)
-        check_stop_ids(req)
-        tok = st.tokenizer
-        template = chat_template or getattr(tok, "chat_template", None)
+    async def chat(self, request: Request) -> Any:
+        req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
+        ids = await self.encode(await self.apply_template(req), add_special=False,
+                                param="messages")  # fmt: skip
+        self.check_prompt(ids, "messages")
+        opts = self.options(req, ids)
+        await self.check_transforms(opts)
+        rids, q, head = self.submit([ids], [opts], "chatcmpl", "chat.completion")
+        if req.stream:
+            return self.stream_chat(req, opts.n, ids, rids, q, head)
+        finals = await collect(results(self.st.driver, rids, q, request))
+        tok = self.tok
+
+        def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
+            choices = []
+            for c in finals[rids[0]].outputs:
+                lp = chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
+                choices.append({"index": c.index,
+                                "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason,
+                                "seed": c.seed})  # fmt: skip
+            return choices
+
+        choices = await asyncio.to_thread(build)
+        return {**head, "choices": choices, "usage": usage([ids], finals)}
+
+    async def apply_template(self, req: ChatCompletionRequest) -> str:
+        """The conversation as the prompt text, through the chat template (a worker thread)."""
+        tok = self.tok
+        template = self.chat_template or getattr(tok, "chat_template", None)
         if tok is None or not template:
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions instead (or "
@@ -301,7 +340,7 @@ def build_app(
             )
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = await asyncio.to_thread(
+            return await asyncio.to_thread(
                 tok.apply_chat_template, msgs, tokenize=False, add_generation_prompt=True,
                 chat_template=template,
             )  # fmt: skip
@@ -309,70 +348,31 @@ def build_app(
             raise RequestError(
                 f"the chat template rejected these messages: {clip(str(e), 200)}", "messages"
             ) from None
-        ids = await encode(text, add_special=False, param="messages")
-        check_prompt(
-            ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len, param="messages"
-        )
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        opts = sampling_options(
-            req,
-            prompt_len=len(ids),
-            max_model_len=eng.max_model_len,
-            logprobs=k,
-            max_tokens=max_tokens,
-            vocab_size=eng.cfg.vocab_size,
-        )
-        await check_transforms(opts)
-        rids, q, head = await run([ids], [opts], "chatcmpl", "chat.completion")
 
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chead = {**head, "object": "chat.completion.chunk"}
+    def stream_chat(self, req: ChatCompletionRequest, n: int, ids: list[int], rids: list[str],
+                    q: asyncio.Queue, head: dict) -> StreamingResponse:  # fmt: skip
+        tok, with_usage = self.tok, include_usage(req)
+        chead = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if with_usage else {}
+        role = {"role": "assistant", "content": ""}
+        first = [
+            {**chead, "choices": [{"index": i, "delta": role, "logprobs": None,
+                                   "finish_reason": None}], **extra}  # fmt: skip
+            for i in range(n)
+        ]
 
-            extra = {"usage": None} if include_usage else {}
-            role = {"role": "assistant", "content": ""}
-            first = [
-                {**chead, "choices": [{"index": i, "delta": role, "logprobs": None,
-                                       "finish_reason": None}], **extra}  # fmt: skip
-                for i in range(req.n)
-            ]
-
-            def choice(o: RequestUpdate, c: Any) -> dict:
-                lp = None
-                if req.logprobs:
-                    lp = chat_logprobs(tok, c, c.delta_start, len(c.token_ids))
-                return {
-                    "index": c.index,
+        def choice(o: RequestUpdate, c: Any) -> dict:
+            lp = chat_logprobs(tok, c, c.delta_start, len(c.token_ids)) if req.logprobs else None
+            return {"index": c.index,
                     "delta": {"content": c.delta_text} if c.delta_text else {},
-                    "logprobs": lp,
-                    "finish_reason": stream_finish(c),
-                }
+                    "logprobs": lp, "finish_reason": stream_finish(c)}  # fmt: skip
 
-            events = sse_stream(
-                guarded(results(st.driver, rids, q)), chead, first, choice,
-                include_usage=include_usage, usage=lambda finals: usage([ids], finals),
-            )  # fmt: skip
-            return StreamingResponse(events, media_type="text/event-stream")
+        events = sse_stream(
+            guarded(results(self.st.driver, rids, q)), chead, first, choice,
+            include_usage=with_usage, usage=lambda finals: usage([ids], finals),
+        )  # fmt: skip
+        return StreamingResponse(events, media_type="text/event-stream")
 
-        finals = await collect(results(st.driver, rids, q, request))
 
-        def build() -> list[dict]:  # detokenises every log-prob token: off the event loop
-            choices = []
-            for c in finals[rids[0]].outputs:
-                lp = chat_logprobs(tok, c, 0, len(c.token_ids)) if req.logprobs else None
-                choices.append(
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "seed": c.seed,
-                    }
-                )
-            return choices
-
-        choices = await asyncio.to_thread(build)
-        return {**head, "choices": choices, "usage": usage([ids], finals)}
-
-    return app
+def include_usage(req: Any) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
