@@ -96,6 +96,10 @@ class ServerConfig:
         None, "Jinja chat template (a file or the text) replacing the tokenizer's"
     )
     log_level: str = _opt("info", "uvicorn log level")
+    data_parallel: int = _opt(
+        1, "engine replicas, each on its own tp devices, behind this one endpoint: requests "
+        "routed by a hash of the prompt's prefix (serving/router.py)",
+    )  # fmt: skip
 
 
 def add_flags(p: argparse.ArgumentParser, cls: type) -> None:

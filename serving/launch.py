@@ -14,6 +14,7 @@ from jdet.loader import load
 from jdet.settings import EngineConfig
 from serving import multihost
 from serving.engine import Engine
+from serving.router import serve_data_parallel
 from serving.server import MAX_BODY_BYTES, build_app
 from sharding import distributed
 
@@ -36,6 +37,7 @@ def serve(
     max_body_bytes: int = MAX_BODY_BYTES,
     public_metrics: bool = False,
     chat_template: str | None = None,
+    data_parallel: int = 1,
     **engine_kwargs: Any,
 ) -> None:
     """Blocking: load (if given a path), build the engine, serve until interrupted.
@@ -47,6 +49,17 @@ def serve(
     api_key = api_key or os.environ.get("JDET_API_KEY") or None
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if data_parallel != 1:  # replicas behind one endpoint (serving/router.py)
+        replica = replica_settings(
+            model, dtype=dtype, served_model_name=served_model_name, log_level=log_level,
+            max_body_bytes=max_body_bytes, public_metrics=public_metrics,
+            chat_template=chat_template, **engine_kwargs,
+        )  # fmt: skip
+        serve_data_parallel(
+            data_parallel, replica, host=host, port=port, log_level=log_level, api_key=api_key,
+            public_metrics=public_metrics, max_body_bytes=max_body_bytes,
+        )  # fmt: skip
+        return
     # a multi-host job (num_processes > 1) starts before the model touches a device
     cluster = distributed.initialize(
         distributed.resolve(engine_kwargs.get("num_processes"), engine_kwargs.get("process_id"),
@@ -79,6 +92,28 @@ def serve(
     finally:
         if cluster is not None:
             engine.stop()  # the followers leave with process 0
+
+
+def replica_settings(model: Any, **settings: Any) -> dict:
+    """`serve`'s arguments for a data-parallel replica, as JSON-able values: the model as its
+    directory (a replica loads it itself), the speculative config as a dict."""
+    if settings.get("num_processes") not in (None, 1):
+        raise ValueError(
+            "--data-parallel and --num-processes do not combine: run one multi-host job per "
+            "replica behind your own router (docs/deployment.md)"
+        )
+    if model is not None and not isinstance(model, str | Path):
+        path = getattr(model, "path", None)
+        if path is None:
+            raise ValueError(
+                "data-parallel replicas load the model themselves: pass its directory, not a "
+                "model built in memory"
+            )
+        model = path
+    spec = settings.get("speculative")
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        settings["speculative"] = dataclasses.asdict(spec)
+    return {"model": None if model is None else str(model), **settings}
 
 
 def read_chat_template(arg: str | None) -> str | None:

@@ -1,0 +1,515 @@
+"""Data parallelism (`jdet serve --data-parallel N`): N engine replicas, each a `jdet serve`
+subprocess on its own devices and loopback port, behind one OpenAI-compatible endpoint.
+
+Why subprocesses: a replica is then exactly the single-engine server (same code, same bits, same
+fingerprint), one replica's crash cannot take the others down, and the router below is a thin
+HTTP relay that never touches JAX or a device.
+
+Routing: a request goes to the replica ranked first for a hash of its prompt's prefix
+(`route_key`: the first ROUTE_PREFIX_CHARS characters of the prompt or the conversation),
+ranked by rendezvous hashing: requests that share a prefix land on the same replica, so its
+prefix cache holds their common pages, and when a replica is down only its share moves. A
+replica more than BALANCE_SLACK requests busier than the least busy one is passed over for it
+(a popular prefix must not pin all load on one replica). Bits never depend on the choice: every
+replica runs the same model, plan and fingerprint (checked at start), and a request's bits depend
+only on the request.
+
+Failures: a request whose replica dies before any byte reached the client is retried on the next
+replica in its ranking (the same bits, since every replica gives them); a stream already under
+way ends with an error event. A replica that exits is restarted (its port kept); /health
+aggregates the replicas (200 while any serves) and /metrics relays each replica's series with a
+`replica` label beside the router's own.
+
+Shutdown: uvicorn stops accepting connections and waits for the requests in flight (drain);
+then each replica gets SIGTERM (it drains its own) and, after REPLICA_STOP_TIMEOUT, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from serving.auth import ApiKeyMiddleware
+from serving.protocol import RequestError
+
+log = logging.getLogger("jdet.router")
+
+ROUTE_PREFIX_CHARS = 1024  # characters (or token ids) of the prompt that pick the replica
+BALANCE_SLACK = 16  # in-flight requests a replica may hold beyond the least busy one's
+HEALTH_INTERVAL = 1.0  # seconds between health checks of each replica
+HEALTH_MISSES = 5  # unanswered health checks in a row before a running replica counts as down
+HEALTH_TIMEOUT = 10.0  # seconds a replica has to answer /health
+REPLICA_STOP_TIMEOUT = 30.0  # seconds a replica gets to drain after SIGTERM
+RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a replica that exited
+_HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+
+
+# ---------------------------------------------------------------------------------- routing
+def route_key(body: Any) -> bytes:
+    """The bytes that pick a request's replica: the start of its prompt (completions: the text or
+    token ids of its first prompt; chat: the conversation's roles and text), so requests sharing
+    a prefix share a replica and its prefix cache. Anything else: the body itself."""
+    if isinstance(body, dict):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch: its first prompt
+        if isinstance(prompt, str):
+            return prompt[:ROUTE_PREFIX_CHARS].encode("utf-8", "replace")
+        if isinstance(prompt, list):
+            return json.dumps(prompt[:ROUTE_PREFIX_CHARS]).encode()
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            text = "".join(
+                f"{m.get('role')}\n{m.get('content')}\n" if isinstance(m, dict) else str(m)
+                for m in messages
+            )
+            return text[:ROUTE_PREFIX_CHARS].encode("utf-8", "replace")
+    return json.dumps(body, sort_keys=True, default=str)[:ROUTE_PREFIX_CHARS].encode()
+
+
+def ranking(key: bytes, replicas: Sequence[int]) -> list[int]:
+    """Rendezvous (highest-random-weight) order of `replicas` for `key`: each replica's rank
+    depends on the key and its own index only, so removing one moves only its keys."""
+
+    def weight(i: int) -> bytes:
+        return hashlib.blake2b(key, digest_size=8, salt=i.to_bytes(16, "little")).digest()
+
+    return sorted(replicas, key=weight, reverse=True)
+
+
+# --------------------------------------------------------------------------------- replicas
+@dataclasses.dataclass
+class Replica:
+    """One engine replica: a `jdet serve` subprocess on 127.0.0.1:port."""
+
+    index: int
+    port: int
+    devices: str | None  # CUDA_VISIBLE_DEVICES for it (None: inherit)
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    warm: bool = False  # passed a health check since it was (re)started
+    status: str = "starting"
+    fingerprint: str | None = None
+    in_flight: int = 0
+    restarts: int = 0
+    misses: int = 0  # health checks in a row without an answer
+    routed: int = 0
+    failed: int = 0
+    next_start: float = 0.0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_devices(n: int, tp: int, visible: str | None) -> list[str | None]:
+    """Each replica's CUDA_VISIBLE_DEVICES: consecutive groups of `tp` of the visible GPUs (the
+    parent's CUDA_VISIBLE_DEVICES, else 0, 1, ...). On a host without GPUs the variable is
+    ignored and every replica has the host's CPU devices to itself."""
+    ids = visible.split(",") if visible else [str(i) for i in range(n * tp)]
+    if len(ids) < n * tp:
+        raise ValueError(
+            f"--data-parallel {n} x --tp {tp} needs {n * tp} GPUs but CUDA_VISIBLE_DEVICES "
+            f"lists {len(ids)}; lower --data-parallel or --tp"
+        )
+    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(n)]  # fmt: skip
+
+
+class ReplicaSet:
+    """Starts, watches and restarts the replicas; knows which can serve."""
+
+    def __init__(self, serve_kwargs: dict, n: int, api_key: str | None) -> None:
+        self.serve_kwargs = serve_kwargs
+        self.api_key = api_key
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = replica_devices(n, int(serve_kwargs.get("tp", 1)), visible)
+        self.replicas = [Replica(i, free_port(), gpus[i]) for i in range(n)]
+        self.fingerprint: str | None = None  # the first ready replica's; others must match
+        self.stopping = False
+
+    def command(self, r: Replica) -> list[str]:
+        kw = {**self.serve_kwargs, "host": "127.0.0.1", "port": r.port, "data_parallel": 1}
+        return [sys.executable, "-m", "serving.replica", json.dumps(kw)]
+
+    def start(self, r: Replica) -> None:
+        env = dict(os.environ)
+        if r.devices is not None and visible_gpus_matter():
+            env["CUDA_VISIBLE_DEVICES"] = r.devices
+        if self.api_key:
+            env["JDET_API_KEY"] = self.api_key  # not on the command line, which ps shows
+        r.proc = subprocess.Popen(self.command(r), env=env)
+        r.ready, r.warm, r.status, r.misses = False, False, "starting", 0
+        log.info("replica %d: started (pid %d, port %d)", r.index, r.proc.pid, r.port)
+
+    def start_all(self) -> None:
+        """Replica 0 first, the others once it is warm: they then load its compiled steps from
+        the persistent caches instead of compiling the same shapes at the same time."""
+        self.start(self.replicas[0])
+
+    async def watch(self, client: httpx.AsyncClient) -> None:
+        """Every HEALTH_INTERVAL: each replica's /health; start the waiting ones, restart the
+        ones that exited (with a growing backoff)."""
+        while not self.stopping:
+            first = self.replicas[0]
+            for r in self.replicas:
+                if r.proc is None and r is not first and (first.ready or not first.alive):
+                    self.start(r)
+                elif r.proc is not None and not r.alive and not self.stopping:
+                    if r.status != "exited":
+                        r.ready, r.status = False, "exited"
+                        r.restarts += 1
+                        wait = min(RESTART_BACKOFF[0] * 2 ** (r.restarts - 1), RESTART_BACKOFF[1])
+                        r.next_start = time.monotonic() + wait
+                        log.error("replica %d exited (status %s); restarting in %.0f s",
+                                  r.index, r.proc.returncode, wait)  # fmt: skip
+                    elif time.monotonic() >= r.next_start:
+                        self.start(r)
+            await asyncio.gather(*(self.check(r, client) for r in self.replicas if r.alive))
+            await asyncio.sleep(HEALTH_INTERVAL)
+
+    async def check(self, r: Replica, client: httpx.AsyncClient) -> None:
+        try:
+            resp = await client.get(r.base + "/health", timeout=HEALTH_TIMEOUT)
+            body = resp.json()
+        except (httpx.HTTPError, ValueError):
+            # a busy replica may answer late; a dead one is caught by its exit or a lost request
+            r.misses += 1
+            if r.status == "starting" or r.misses >= HEALTH_MISSES:
+                r.ready = False
+                r.status = "starting" if r.status == "starting" else "unreachable"
+            return
+        r.misses = 0
+        fp = body.get("system_fingerprint")
+        if resp.status_code == 200 and fp is not None:
+            if self.fingerprint is None:
+                self.fingerprint = fp
+            if fp != self.fingerprint:  # another model, plan or device kind: other bits
+                r.ready, r.status = False, f"fingerprint {fp} differs from {self.fingerprint}"
+                return
+        r.fingerprint = fp
+        r.ready = resp.status_code == 200
+        r.warm = r.warm or r.ready
+        r.status = body.get("status", str(resp.status_code))
+
+    def serving(self) -> list[int]:
+        return [r.index for r in self.replicas if r.ready and r.alive]
+
+    def stop(self) -> None:
+        """SIGTERM to every replica (each drains its requests), SIGKILL after the timeout."""
+        self.stopping = True
+        procs = [r.proc for r in self.replicas if r.alive]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + REPLICA_STOP_TIMEOUT
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def visible_gpus_matter() -> bool:
+    """Whether to give each replica its own CUDA_VISIBLE_DEVICES: not when JAX is held to the
+    CPU, where the replicas share the host's CPU devices anyway."""
+    return os.environ.get("JAX_PLATFORMS", "").strip().lower() not in ("cpu",)
+
+
+# ----------------------------------------------------------------------------------- router
+class ReplicaLost(Exception):
+    """The replica closed the connection or could not be reached (died, restarting)."""
+
+
+@dataclasses.dataclass
+class RouterStats:
+    retries: int = 0
+    unroutable: int = 0
+
+
+def build_router(
+    replicas: ReplicaSet,
+    *,
+    api_key: str | None = None,
+    public_metrics: bool = False,
+    max_body_bytes: int = 4 << 20,
+) -> FastAPI:
+    """The endpoint in front of `replicas`: the generation routes relayed to a replica chosen by
+    prefix hash, /v1/models from any replica, /health and /metrics over all of them."""
+    stats = RouterStats()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        replicas.start_all()
+        task = asyncio.create_task(replicas.watch(client))
+        try:
+            yield
+        finally:  # uvicorn has drained the requests in flight by now
+            task.cancel()
+            await asyncio.to_thread(replicas.stop)
+            await client.aclose()
+
+    app = FastAPI(title="jdet router", version="1", lifespan=lifespan)
+    if api_key:
+        open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def relay(request: Request) -> Response:
+        body = await read_body(request, max_body_bytes)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the replica answers the 400
+        streaming = isinstance(parsed, dict) and parsed.get("stream") is True
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        tried: list[int] = []
+        order = ranking(route_key(parsed), range(len(replicas.replicas)))
+        while True:
+            r = pick(replicas, order, tried)
+            if r is None:
+                stats.unroutable += 1
+                what = "no replica is serving" if not tried else \
+                    f"replicas {tried} failed this request and no other is serving"  # fmt: skip
+                err = RequestError(f"{what}; retry shortly", None, 503, "service_unavailable")
+                return JSONResponse(err.body(), status_code=503)
+            tried.append(r.index)
+            try:
+                return await forward(r, request.url.path, headers, body, streaming)
+            except ReplicaLost as e:
+                r.failed += 1
+                if not r.alive:  # exited: not tried again until restarted and healthy
+                    r.ready = False
+                stats.retries += 1
+                log.warning("replica %d lost a request (%s); retrying elsewhere", r.index, e)
+
+    async def forward(r: Replica, path: str, headers: dict, body: bytes,
+                      streaming: bool) -> Response:  # fmt: skip
+        req = client.build_request("POST", r.base + path, headers=headers, content=body)
+        r.in_flight += 1
+        r.routed += 1
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.TransportError as e:
+            r.in_flight -= 1
+            raise ReplicaLost(type(e).__name__) from e
+        if resp.status_code == 503:  # warming up or shutting down: another replica may serve
+            await resp.aclose()
+            r.in_flight -= 1
+            raise ReplicaLost("503")
+        keep = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        if not streaming:
+            try:
+                content = await resp.aread()
+            except httpx.TransportError as e:
+                raise ReplicaLost(type(e).__name__) from e
+            finally:
+                await resp.aclose()
+                r.in_flight -= 1
+            return Response(content, status_code=resp.status_code, headers=keep)
+        chunks = resp.aiter_raw()
+        try:  # the first bytes before answering, so a replica lost before them is retried
+            first = await anext(chunks, b"")
+        except httpx.TransportError as e:
+            await resp.aclose()
+            r.in_flight -= 1
+            raise ReplicaLost(type(e).__name__) from e
+
+        async def rest() -> AsyncIterator[bytes]:
+            try:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.TransportError as e:
+                r.failed += 1
+                log.warning("replica %d lost a stream under way (%s)", r.index, e)
+                err = RequestError(f"replica {r.index} was lost mid-stream; resend the request "
+                                   "(same seed, same bits)", None, 502, "replica_lost")  # fmt: skip
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
+            finally:
+                await resp.aclose()
+                r.in_flight -= 1
+
+        return StreamingResponse(rest(), status_code=resp.status_code, headers=keep)
+
+    app.post("/v1/completions")(relay)
+    app.post("/v1/chat/completions")(relay)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for i in replicas.serving():
+            try:
+                resp = await client.get(replicas.replicas[i].base + "/v1/models", headers=auth)
+            except httpx.TransportError:
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type="application/json")  # fmt: skip
+        err = RequestError("no replica is serving; retry shortly", None, 503)
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        rs = replicas.replicas
+        up = replicas.serving()
+        status = "ok" if len(up) == len(rs) else "degraded" if up else "unavailable"
+        body = {
+            "status": status,
+            "system_fingerprint": replicas.fingerprint,
+            "replicas": [
+                {"replica": r.index, "status": r.status, "ready": r.ready,
+                 "pid": r.proc.pid if r.proc else None, "port": r.port, "in_flight": r.in_flight,
+                 "restarts": r.restarts, "system_fingerprint": r.fingerprint}  # fmt: skip
+                for r in rs
+            ],
+        }
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        parts = [router_metrics(replicas, stats)]
+        for r in replicas.replicas:
+            if not r.alive:
+                continue
+            try:
+                resp = await client.get(r.base + "/metrics", headers=auth, timeout=5)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                parts.append(label_series(resp.text, r.index))
+        return PlainTextResponse(merge_families(parts), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def pick(replicas: ReplicaSet, order: list[int], tried: list[int]) -> Replica | None:
+    """The first replica of `order` that serves and was not tried, unless it is BALANCE_SLACK
+    requests busier than the least busy candidate (then that one). When none passes its health
+    check, any running replica that was warm once: a replica too busy to answer /health in
+    time is still the best place for a request."""
+    up = set(replicas.serving()) or {r.index for r in replicas.replicas if r.alive and r.warm}
+    cands = [replicas.replicas[i] for i in order if i in up and i not in tried]
+    if not cands:
+        return None
+    least = min(cands, key=lambda r: r.in_flight)
+    return least if cands[0].in_flight > least.in_flight + BALANCE_SLACK else cands[0]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds {limit} bytes; send a shorter request",
+                               None, 413, "request_too_large")  # fmt: skip
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def router_metrics(replicas: ReplicaSet, stats: RouterStats) -> str:
+    lines = []
+
+    def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+    rs = replicas.replicas
+    family("jdet_router_replica_up", "gauge", "1 while the replica serves",
+           [(f'{{replica="{r.index}"}}', float(r.ready and r.alive)) for r in rs])
+    family("jdet_router_requests_total", "counter", "requests sent to the replica",
+           [(f'{{replica="{r.index}"}}', float(r.routed)) for r in rs])
+    family("jdet_router_replica_failures_total", "counter", "requests the replica was lost in",
+           [(f'{{replica="{r.index}"}}', float(r.failed)) for r in rs])
+    family("jdet_router_replica_restarts_total", "counter", "restarts of the replica",
+           [(f'{{replica="{r.index}"}}', float(r.restarts)) for r in rs])
+    family("jdet_router_in_flight", "gauge", "requests in flight at the replica",
+           [(f'{{replica="{r.index}"}}', float(r.in_flight)) for r in rs])
+    family("jdet_router_retries_total", "counter", "requests retried on another replica",
+           [("", float(stats.retries))])
+    family("jdet_router_unroutable_total", "counter", "requests no replica could take (503)",
+           [("", float(stats.unroutable))])  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+
+
+def label_series(text: str, index: int) -> str:
+    """A replica's Prometheus text with `replica="index"` added to every sample."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if line.startswith("#") or m is None:
+            out.append(line)
+            continue
+        name, labels, rest = m.groups()
+        inner = labels[1:-1] if labels else ""
+        joined = f'replica="{index}"' + ("," + inner if inner else "")
+        out.append(f"{name}{{{joined}}}{rest}")
+    return "\n".join(out) + "\n"
+
+
+def merge_families(parts: list[str]) -> str:
+    """Concatenate exposition texts, each HELP/TYPE line once and a family's samples together
+    (Prometheus refuses a family split in two)."""
+    order: list[str] = []
+    meta: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    current = ""
+    for text in parts:
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split()[2]
+                if current not in meta:
+                    order.append(current)
+                    meta[current], samples[current] = [], []
+                if line not in meta[current]:
+                    meta[current].append(line)
+            elif not line.startswith("#"):
+                if current not in samples:
+                    order.append(current)
+                    meta[current], samples[current] = [], []
+                samples[current].append(line)
+    return "".join("\n".join(meta[f] + samples[f]) + "\n" for f in order)
+
+
+# ------------------------------------------------------------------------------ entry points
+def serve_data_parallel(n: int, serve_kwargs: dict, *, host: str, port: int, log_level: str,
+                        api_key: str | None, public_metrics: bool, max_body_bytes: int) -> None:
+    """Blocking: `n` replicas of `jdet serve` (`serve_kwargs`: its settings, JSON-able) behind
+    one endpoint on host:port, until interrupted."""
+    if n < 1:
+        raise ValueError(f"--data-parallel must be >= 1, got {n}")
+    replicas = ReplicaSet(serve_kwargs, n, api_key)
+    app = build_router(replicas, api_key=api_key, public_metrics=public_metrics,
+                       max_body_bytes=max_body_bytes)  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
