@@ -18,7 +18,7 @@ embedded model's corpus, little to copy), K = 4, several engines side by side in
 sharing one placed copy of the weights, `--reps` rounds in rotated order, median reported with
 the spread (benchmarks/spec_e2e.py): n-gram drafts with adaptive K (the default), n-gram always
 drafting (`min_alpha=0`), plain with async dispatch (the GPU default), plain synchronous
-(`--engines`), and `--replay-alphas`: a benchmark-only replay draft (benchmarks/replay_draft.py)
+(`--engines`), and `--replay-alphas`: a benchmark-only replay draft (tests/serving/replay_draft.py)
 that proposes the target's own recorded output, each position right with probability alpha, so
 the speedup at alpha = 0.5..0.9 is measured on random weights, where real drafts get alpha ~ 0.
 Per engine: decode tok/s (from the first output token on) and whole-request tok/s, the measured

@@ -8,17 +8,21 @@ import jdet
 
 pytestmark = pytest.mark.gpu
 
+# Qwen3-0.6B's shape (benchmarks/serve_bench.py "0.6b"), cut to 4 layers below
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, tie_word_embeddings=True)  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def model():
     import jax.numpy as jnp
 
-    from benchmarks.serve_bench import SHAPES
     from jdet.config import ModelConfig
     from jdet.loader import Model
     from jdet.params import init_params
 
-    raw = dict(SHAPES["0.6b"], num_hidden_layers=4, model_type="qwen3")
+    raw = dict(QWEN3_06B, num_hidden_layers=4, model_type="qwen3")
     raw["max_position_embeddings"] = 4096
     cfg = ModelConfig.from_hf(raw)
     return Model(cfg=cfg, params=init_params(cfg, seed=0, dtype=jnp.bfloat16))
@@ -60,6 +64,25 @@ def test_gpu_generate_logprobs_equal_score(model):
         assert np.array_equal(o.logprobs, s[len(p) - 1 :])
 
 
+def _decode_inputs(cfg, batch: int, ctx: int, pmax: int, pad_tokens: int, page: int = 16):
+    """A greedy decode step of `batch` sequences at position ctx - 1, sequence b on pages
+    b * used, ..., with `pad_tokens` rows (padding rows write nothing)."""
+    from jdet.batch import decode_batch
+    from jdet.step import SamplingInputs
+    from serving.sampler_variants import for_step
+
+    used = -(-ctx // page)
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, batch).tolist()
+    pages = [list(range(b * used, (b + 1) * used)) for b in range(batch)]
+    sb = decode_batch(tokens, [ctx - 1] * batch, pages, page, pad_tokens=pad_tokens,
+                      pad_seqs=batch, pad_pages=pmax)  # fmt: skip
+    z, k = np.zeros(batch, np.float32), np.zeros(batch, np.int32)
+    si = SamplingInputs(temperature=z, top_k=k, top_p=z + 1, seed=np.zeros(batch, np.uint32),
+                        position=np.full(batch, ctx, np.int32),
+                        **for_step(k, z + 1, False))  # fmt: skip
+    return sb, si
+
+
 def test_gpu_unrolled_layers_equal_the_layer_loop(model):
     """jdet.model.LAYER_UNROLL_GPU: the layers as L inlined calls of one jitted layer instead of
     XLA's loop run the same kernels on the same operands: tokens, log-probs and every K/V row of
@@ -70,12 +93,11 @@ def test_gpu_unrolled_layers_equal_the_layer_loop(model):
     import jax.numpy as jnp
 
     import jdet.model as jm
-    from benchmarks.decode_bench import decode_inputs
     from serving.engine import Engine
     from sharding.mesh import make_tp_mesh
     from sharding.tp import make_tp_step
 
-    sb, si = decode_inputs(model.cfg, 3, 100, 16, pad_tokens=8)
+    sb, si = _decode_inputs(model.cfg, 3, 100, 16, pad_tokens=8)
     eng = Engine(model, invariance="tp", max_num_batched_tokens=256, num_pages=64,
                  max_model_len=512, async_scheduling="off")  # fmt: skip
     r = eng.runner

@@ -1,4 +1,4 @@
-"""A benchmark-only draft with a controlled acceptance rate: `ReplayDraft`.
+"""A draft with a controlled acceptance rate (speculative benchmarks and tests): `ReplayDraft`.
 
 Why. The issue's GPU target (8B shape, >= 1.8x batch-1 tok/s at alpha >= 0.7, K = 4) needs a
 draft that the target accepts at a known rate, and random 8B weights have none: an n-gram or
