@@ -73,7 +73,7 @@ class SamplingInputs:
     Why the flags: on a GPU the top-k/top-p filter cannot be skipped at run time for free
     (`_top_k_top_p`), and the top-`NUM_TOP` log-probs are a `top_k` over the vocabulary; a step
     whose rows ask for neither pays for both (a few per cent of an 8B batch-1 decode step on an
-    H100; BENCHMARKS.md). So the caller says, statically, whether any row of the
+    H100; benchmarks/sampler_bench.py). So the caller says, statically, whether any row of the
     step filters (`filter_topk_topp`) and how many top log-probs the step returns
     (`top_logprobs`: 0 or NUM_TOP, two buckets so few executables compile; serving/
     sampler_variants.py picks them per step and warm-up compiles each). A row's token and
@@ -85,7 +85,7 @@ class SamplingInputs:
     A third flag, `draw`, and `logits=None` make the smallest step, for steps whose rows are all
     greedy without transforms (serving/sampler_variants.py GREEDY: `jdet generate`'s default):
     XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4 less
-    compile time for the embedded model's step on a CPU (BENCHMARKS.md). A greedy
+    compile time for the embedded model's step on a CPU (benchmarks/sampler_compile.py). A greedy
     row's token is the argmax of the same logits either way, its log-prob read from the same
     log_softmax."""
 

@@ -120,7 +120,7 @@ SMALL_ROW_BLOCKS_ENV = "JDET_SMALL_ROW_BLOCKS"  # "1" / "0": force them on / off
 # with AVX2). Not 0.11.2: on the H100 host's Xeon its 2- and 4-row dots gave rows other than
 # the 8-row dot's at K = 1536 and 4096 (f32 and bf16), also with `--xla_cpu_max_isa=AVX2` and
 # with the XNNPACK/YNNPACK/oneDNN fusions off, so it is the compiler, not the ISA (BENCHMARKS.md,
-# "CPU bits across JAX versions").
+# "CPU (embedded model)").
 SMALL_ROW_BLOCKS_JAXLIB = ("0.10.",)
 
 
