@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache for jdet, and a process-wide compile counter.
 
-Why a persistent cache: every process start used to recompile every step shape (seconds each on
-an 8B model). With the cache on, a restart of the same model loads the executables from disk.
+Why a persistent cache: without it every process start recompiles every step shape (seconds each
+on an 8B model). With the cache on, a restart of the same model loads the executables from disk.
 
 Where: `$JDET_CACHE_DIR` if set, else `~/.cache/jdet/xla`; `jdet.LLM(compile_cache=...)`,
 `Engine(compile_cache=...)` and `jdet serve --compile-cache-dir DIR | --no-compile-cache` move or
