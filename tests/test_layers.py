@@ -1,0 +1,69 @@
+"""The direction of dependencies (docs/ARCHITECTURE.md "Layers"): pyproject.toml's import-linter
+contracts hold, every module of jdet has its layer, and no module imports itself through others.
+
+Read from the source by grimp (import-linter's graph): no module is imported, and an import inside
+a function counts like one at the top of the file. Negative controls: the same checks on the
+graph with one import added against the direction must fail.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import grimp
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("jdet", "pallas_kernels", "sharding", "serving")
+
+
+def _layers() -> list[list[str]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["id"] == "layers"]
+    return [[m.strip() for m in layer.replace("|", ":").split(":")] for layer in contract["layers"]]
+
+
+def _graph() -> grimp.ImportGraph:
+    return grimp.build_graph(*LIBRARY, cache_dir=None)
+
+
+def _cycle(graph: grimp.ImportGraph) -> list[str] | None:
+    """A shortest import cycle through some module (a -> b -> ... -> a), or None."""
+    for a in sorted(graph.modules):
+        for b in sorted(graph.find_modules_directly_imported_by(a)):
+            back = graph.find_shortest_chain(importer=b, imported=a)
+            if back is not None:
+                return [a, *back]
+    return None
+
+
+def _illegal(graph: grimp.ImportGraph) -> set:
+    layers = [grimp.Layer(*layer, independent=False) for layer in _layers()]
+    return graph.find_illegal_dependencies_for_layers(layers=layers)
+
+
+def test_import_linter_contracts_are_kept(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert lint_imports(no_cache=True) == 0, "lint-imports: see the broken contracts above"
+
+
+def test_every_jdet_module_has_one_layer():
+    """A new module of jdet must say where it sits: entry point (above serving/) or core."""
+    named = [m for layer in _layers() for m in layer]
+    assert len(named) == len(set(named))
+    graph = _graph()
+    children = graph.find_children("jdet")
+    missing = sorted(children - set(named))
+    assert not missing, f"add {missing} to a layer of pyproject.toml's 'layers' contract"
+
+
+def test_no_module_imports_itself_through_others():
+    graph = _graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    assert not _illegal(graph)
+    # negative controls: a kernel that reads the model config, a core module that runs the engine
+    graph.add_import(importer="pallas_kernels.matmul", imported="jdet.config")
+    assert _illegal(graph)
+    graph.add_import(importer="jdet.config", imported="serving.engine")
+    assert _cycle(graph) is not None
