@@ -88,7 +88,7 @@ class FastTokenizer:
         if self._hf is None:
             with self._lock:
                 if self._hf is None:
-                    from transformers import AutoTokenizer
+                    from transformers import AutoTokenizer  # seconds to import: on demand
 
                     object.__setattr__(self, "_hf", AutoTokenizer.from_pretrained(str(self._path)))
         return self._hf

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform, xla_fixed
 from pallas_kernels.combine import combine_tree
@@ -204,8 +205,6 @@ def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtyp
     interpret = _platform.interpret_default()
     compiler_params = None
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
         compiler_params = pltriton.CompilerParams(num_warps=cfg.num_warps,
                                                   num_stages=cfg.num_stages)  # fmt: skip
     out = pl.pallas_call(

@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 # Rows (query tokens x query heads of one KV group) per program: the MMA's M. Fixed for every call,
 # so a row's arithmetic never depends on how many tokens the step holds.
@@ -98,14 +99,10 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _masked_load(ref, mask, other):
-    from jax.experimental.pallas import triton as pltriton
-
     return pltriton.load(ref, mask=mask, other=other)
 
 
 def _masked_store(ref, val, mask):
-    from jax.experimental.pallas import triton as pltriton
-
     pltriton.store(ref, val, mask=mask)
 
 
@@ -346,8 +343,6 @@ def _merge_rows_kernel(lim_ref, tok_ref, ok_ref, acc_ref, m_ref, l_ref, o_ref, *
     cols = lax.broadcasted_iota(jnp.int32, (1, e), 1)
     # heads past G (G_pad padding) point past H: masked, and never another row's element
     heads = jnp.where(gi < g, kh * g + gi, h + gi)
-    from jax.experimental.pallas import triton as pltriton
-
     mask = jnp.broadcast_to((lim >= 0)[:, None], (gp, e))
     pltriton.store(o_ref.at[tok_ref[i, r], heads, cols], out, mask=mask)
     head_ok = jnp.broadcast_to(gi < g, (gp, e))

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform
 from pallas_kernels.paged_attention_kernels import (
@@ -200,8 +201,6 @@ def _paged_attention_pallas(
     interpret = _platform.interpret_default()
     compiler_params = merge_params = None
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
         # The merge holds (1 + MERGE_PREFETCH) x [G_pad, E] f32 per program: ~16 values per
         # thread per partial keeps it in registers.
         merge_warps = max(1, min(8, gp * e // 512))

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform
 from pallas_kernels._platform import as_float
@@ -62,8 +63,6 @@ def _store_cols(ref, rows, col0: int, width: int, val, ok) -> None:
 
     Array indices on both axes (not an array + a slice): the form both the Triton lowering and
     interpret mode's masked store take."""
-    from jax.experimental.pallas import triton as pltriton
-
     cols = col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
     mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], width))
     pltriton.store(ref.at[rows[:, None], cols], val, mask=mask)
@@ -227,8 +226,6 @@ def _rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, tok_c, layer, *, q_h
     interpret = _platform.interpret_default()
     params = None
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
         params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     lay_arg = jnp.asarray(layer, jnp.int32).reshape(1)
     slots = slot_mapping.astype(jnp.int32)

@@ -40,7 +40,7 @@ def swiglu_config(m: int, out_dtype):
     """CTA plan: the decode CTA (64 rows, one warpgroup, 64 output columns) at M <= 64; else
     128 rows, two warpgroups of 64 output columns side by side. Stages fill SMEM with one A
     and two B (gate, up) tiles each."""
-    from pallas_kernels import matmul_mosaic as mm
+    from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
 
     if mm.decode_rows(m):
         cfg = mm.decode_config(out_dtype, cta_n=64)
@@ -55,7 +55,7 @@ def swiglu_config(m: int, out_dtype):
 def matmul_swiglu(h: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """silu(h @ w[:, :F]) * (h @ w[:, F:]) for w = [gate | up] [K, 2F]: [M, F] in out_dtype
     (default h's). Call only where `supported(K, 2F, dtype)`."""
-    from pallas_kernels import matmul_mosaic as mm
+    from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
 
     m, k = h.shape
     if w.ndim != 2 or w.shape[0] != k or not supported(k, w.shape[1], w.dtype):

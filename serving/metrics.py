@@ -92,7 +92,7 @@ class _CompileCollector:
     warm-up they must not move; a rise means some request met a shape outside the set."""
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily  # a server's /metrics only
 
         s = stats()
         yield CounterMetricFamily(
@@ -112,7 +112,10 @@ class SpecCollector:
         self.spec = speculator
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (  # a server's /metrics only
+            CounterMetricFamily,
+            GaugeMetricFamily,
+        )
 
         st = self.spec.stats()
         yield CounterMetricFamily(
