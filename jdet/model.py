@@ -138,7 +138,7 @@ def _attention_and_mlp(
     else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
         x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
     if cfg.is_moe:  # the expert / dense FFN by the layer's kind (jdet/moe.py)
-        x = x + ffn_forward(ffn or {}, h, layer, cfg, ops)
+        x = x + ffn_forward(ffn or {}, h, layer, cfg, ops, batch.slot_mapping)
         h_next = None if next_norm is None else ops.rms_norm(x, next_norm, eps, layer)
         return x, kv, h_next
     if ops.fused:  # fused gate|up, as wqkv (SwiGLU in its epilogue where Ops can)

@@ -82,15 +82,21 @@ def combine_slots(w: jax.Array, y: jax.Array, out_dtype: Any, invariant: bool) -
     return acc.astype(out_dtype)
 
 
-def moe_block(lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops) -> jax.Array:
+def moe_block(
+    lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops, real: jax.Array | None = None
+) -> jax.Array:
     """The expert FFN of h[T, D] (module docstring) with one layer's weights `lp`: router [D, E],
-    expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard)."""
+    expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard). `real`
+    (bool [T]): the step's real rows; the others (bucket padding) take no expert tile and give
+    zeros, so a padded decode step still reads only its tokens' experts."""
     t, d = h.shape
     k = cfg.num_experts_per_tok
     logits = ops.matmul(h, lp["router"], out_dtype=jnp.float32)
     w, ids = route(logits, k, cfg.norm_topk_prob)
     if cfg.moe == "qwen3_moe":  # transformers rounds Qwen3-MoE's weights to the model dtype
         w = w.astype(h.dtype).astype(jnp.float32)
+    if real is not None:  # id E: left out of the grouped layout
+        ids = jnp.where(real[:, None], ids, cfg.num_experts)
     tiles = ops.grouped_tiles(ids.reshape(-1), cfg.num_experts)
     # each slot's token: slot_row // k (the empty slots' sentinel T*k maps to the zero row T)
     hz = jnp.concatenate([h, jnp.zeros((1, d), h.dtype)])
@@ -135,15 +141,21 @@ def dense_ffn(lp: dict, h: jax.Array, ops: Ops) -> jax.Array:
 
 
 def ffn_forward(
-    ffn: dict, h: jax.Array, layer: jax.Array, cfg: ModelConfig, ops: Ops
-) -> jax.Array:
-    """Layer `layer`'s FFN of a mixture-of-experts model on h[T, D] (`pop_ffn`'s stacks)."""
+    ffn: dict, h: jax.Array, layer: jax.Array, cfg: ModelConfig, ops: Ops,
+    slot_mapping: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
+    """Layer `layer`'s FFN of a mixture-of-experts model on h[T', D] (`pop_ffn`'s stacks).
+    `slot_mapping` [T <= T']: the step's K/V slots, -1 on padding rows (jdet/batch.py), which
+    with the rows past T skip the experts (`moe_block`'s `real`)."""
     sparse = {n: ffn[n] for n in SPARSE_FFN}
     dense = {n: ffn[n] for n in DENSE_FFN if n in ffn}
+    real = None
+    if slot_mapping is not None:
+        real = jnp.pad(slot_mapping >= 0, (0, h.shape[0] - slot_mapping.shape[0]))
 
     def run_sparse(h: jax.Array) -> jax.Array:
         i = jnp.asarray(_local_index(cfg.sparse_layers, cfg.num_layers))[layer]
-        return moe_block({n: _at(w, i) for n, w in sparse.items()}, h, cfg, ops)
+        return moe_block({n: _at(w, i) for n, w in sparse.items()}, h, cfg, ops, real)
 
     if not cfg.dense_layers:
         return run_sparse(h)

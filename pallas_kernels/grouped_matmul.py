@@ -60,9 +60,9 @@ class GroupedTiles:
     """Where every row sits in the grouped layout of P = num_tiles * block_m slots.
 
     slot_row [P]: the row held by each slot (R, one past the last row, for an empty slot);
-    row_slot [R]: each row's slot; tile_group [num_tiles]: each tile's group, -1 for a tile
-    that holds no row (it does not run); group_sizes [G]: slots of each group (its row count
-    padded to block_m: `lax.ragged_dot`'s group sizes over the layout)."""
+    row_slot [R]: each row's slot (P for a row left out); tile_group [num_tiles]: each tile's
+    group, -1 for a tile that holds no row (it does not run); group_sizes [G]: slots of each
+    group (its row count padded to block_m: `lax.ragged_dot`'s group sizes over the layout)."""
 
     slot_row: jax.Array
     row_slot: jax.Array
@@ -89,22 +89,25 @@ def tile_rows(backend: str | None = None) -> int:
 
 
 def group_tiles(group_ids: jax.Array, num_groups: int, block_m: int) -> GroupedTiles:
-    """The grouped layout of rows with `group_ids` [R] (int, in [0, num_groups)): rows sorted by
-    (group, row index), each group's rows starting on a tile boundary. Integer arithmetic only."""
+    """The grouped layout of rows with `group_ids` [R] (int): rows sorted by (group, row index),
+    each group's rows starting on a tile boundary. A row whose id is num_groups (or more) is
+    left out (no slot, a zero output row: e.g. a step's padding rows, which then take no tile).
+    Integer arithmetic only."""
     r = group_ids.shape[0]
     nt = num_tiles(r, num_groups, block_m)
-    ids = group_ids.astype(jnp.int32)
+    p = nt * block_m
+    ids = jnp.minimum(group_ids.astype(jnp.int32), num_groups)
     order = jnp.argsort(ids * r + jnp.arange(r, dtype=jnp.int32))  # unique keys: one order
-    counts = jnp.zeros(num_groups, jnp.int32).at[ids].add(1)
+    counts = jnp.zeros(num_groups + 1, jnp.int32).at[ids].add(1)[:num_groups]
     padded = (counts + block_m - 1) // block_m * block_m
-    start = jnp.cumsum(padded) - padded  # first slot of each group
-    first = jnp.cumsum(counts) - counts  # first sorted position of each group
+    start = jnp.append(jnp.cumsum(padded) - padded, p)  # first slot of each group; P: left out
+    first = jnp.append(jnp.cumsum(counts) - counts, 0)  # first sorted position of each group
     sorted_ids = ids[order]
     rank = jnp.arange(r, dtype=jnp.int32) - first[sorted_ids]
-    dest = start[sorted_ids] + rank  # slot of sorted row j
-    slot_row = jnp.full(nt * block_m, r, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    dest = jnp.where(sorted_ids < num_groups, start[sorted_ids] + rank, p)  # slot of sorted row
+    slot_row = jnp.full(p, r, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     row_slot = jnp.zeros(r, jnp.int32).at[order].set(dest)
-    ends = start + padded
+    ends = start[:num_groups] + padded
     tile_start = jnp.arange(nt, dtype=jnp.int32) * block_m
     tg = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
     tile_group = jnp.where(tile_start < ends[-1], tg, -1)
@@ -118,8 +121,8 @@ def gather_rows(x: jax.Array, tiles: GroupedTiles) -> jax.Array:
 
 
 def scatter_rows(y: jax.Array, tiles: GroupedTiles) -> jax.Array:
-    """The grouped layout's [P, N] back in row order [R, N]."""
-    return y[tiles.row_slot]
+    """The grouped layout's [P, N] back in row order [R, N] (zeros for rows left out)."""
+    return jnp.take(y, tiles.row_slot, axis=0, mode="fill", fill_value=0)
 
 
 # -- the CPU path (xla_fixed's dots) ---------------------------------------------------------------

@@ -94,6 +94,12 @@ def test_layout_puts_each_group_on_whole_tiles_and_marks_the_empty_ones():
     assert slot_row[8:12].tolist() == [0, 2, 3, 6]
     assert slot_row[1:4].tolist() == [12, 12, 12]
     assert np.asarray(t.group_sizes).tolist() == [4, 4, 0, 12]
+    # an id of G or more leaves its row out: no slot, no tile, a zero output row
+    t = gm.group_tiles(jnp.asarray([G, 1, G + 3, 1], jnp.int32), G, 4)
+    assert np.asarray(t.tile_group).tolist()[:2] == [1, -1]
+    assert np.asarray(t.row_slot).tolist() == [t.num_slots, 0, t.num_slots, 1]
+    y = gm.scatter_rows(jnp.ones((t.num_slots, 3)), t)
+    assert np.asarray(y).tolist() == [[0.0] * 3, [1.0] * 3, [0.0] * 3, [1.0] * 3]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
