@@ -4,11 +4,11 @@ One `Architecture` entry per Hugging Face `model_type`; everything that differs 
 architectures of the Llama family is a field here, read by the config mapping (jdet/config.py
 `_from_dict` turns it into `ModelConfig` flags) and by the checkpoint writer (jdet/loader.py).
 The model code never asks which architecture it runs: the weight table (jdet/params.py
-`weight_specs`) and the layer forward (jdet/model.py `_layer`) select their variants by the
+`weight_specs`) and the layer forward (jdet/model.py `layer_forward`) select their variants by the
 config flags (`qkv_bias`, `o_bias`, `qk_norm`), so a Llama-family model (same layer, other
 biases / norms / RoPE) is one entry below. An architecture with another layer (e.g. Gemma's
 post-norms, a MoE FFN) adds the flags it needs to ModelConfig, its weights to `weight_specs`
-under those flags, its branch to `_layer`, and its entry here.
+under those flags, its branch to `layer_forward`, and its entry here.
 """
 
 from __future__ import annotations
