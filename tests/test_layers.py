@@ -18,9 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("jdet", "pallas_kernels", "sharding", "serving")
 
 
+def _contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
 def _layers() -> list[list[str]]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (contract,) = [c for c in config["contracts"] if c["id"] == "layers"]
+    (contract,) = [c for c in _contracts() if c["id"] == "layers"]
     return [[m.strip() for m in layer.replace("|", ":").split(":")] for layer in contract["layers"]]
 
 
@@ -46,6 +49,12 @@ def _illegal(graph: grimp.ImportGraph) -> set:
 def test_import_linter_contracts_are_kept(monkeypatch):
     monkeypatch.chdir(ROOT)
     assert lint_imports(no_cache=True) == 0, "lint-imports: see the broken contracts above"
+
+
+def test_architecture_md_names_every_contract():
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [c["id"] for c in _contracts() if f"`{c['id']}`" not in text]
+    assert not missing, f"docs/ARCHITECTURE.md's Layers section does not describe {missing}"
 
 
 def test_every_jdet_module_has_one_layer():
