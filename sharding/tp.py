@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
-from jdet.kv_cache import init_kv_cache, storage_dtype
+from jdet.kv_cache import storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
@@ -60,6 +60,7 @@ def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
             return lax.psum(p, TP_AXIS)
 
     ops_kw.setdefault("pad_rows", num_shards == 1)  # Ops.pad_rows says why
+    ops_kw.setdefault("row_shards", num_shards)  # the experts' down_proj subtree (jdet/moe.py)
     # one shard: the cross-device combine is the identity, so o_proj's partial may be combined,
     # added and normalised in one kernel (Ops.residual_norm); across shards it may not
     ops_kw.setdefault("fuse_residual_norm", num_shards == 1)
@@ -100,18 +101,19 @@ def init_tp_kv_cache(
 ) -> dict:
     """A KV cache `[L, K', P, B, E]` split over kv heads (K' = max(K, tp): replicated heads)."""
     k = kv_heads_in_cache(cfg, tp_size(mesh))
-    shardings = {n: NamedSharding(mesh, P(None, TP_AXIS)) for n in ("k", "v")}
+    sharding = NamedSharding(mesh, P(None, TP_AXIS))
+    shape = (cfg.num_layers, k, num_pages, page_size, cfg.head_dim)
+    dt = storage_dtype(dtype)
     if all(d.platform == "cpu" for d in mesh.devices.flat):
         # Zeros made by numpy and placed: the jitted maker below compiles a program (~0.1 s CPU
         # of a cold `jdet generate`); the same zeros, the same placement.
-        shape = (cfg.num_layers, k, num_pages, page_size, cfg.head_dim)
-        dt = storage_dtype(dtype)
-        return {n: jax.device_put(np.zeros(shape, dt), shardings[n]) for n in ("k", "v")}
-    make = jax.jit(
-        functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, num_kv_heads=k),
-        out_shardings=shardings,
-    )
-    return make()
+        return {n: jax.device_put(np.zeros(shape, dt), sharding) for n in ("k", "v")}
+    # One program per array, never one making both: XLA gave two equal zero outputs of one
+    # program a single buffer, and the step, which donates k and v and writes both in place,
+    # then had to allocate the second (half the pool) in its first call: the default pool of an
+    # 8B model on an H200 ran out of memory there.
+    make = jax.jit(functools.partial(jnp.zeros, shape, dt), out_shardings=sharding)
+    return {n: make() for n in ("k", "v")}
 
 
 def _gather_vocab(logits: jax.Array) -> jax.Array:
