@@ -73,11 +73,11 @@ class LLM:
                     "jdet does not apply; use max_model_len <= the window"
                 )
             max_model_len = max_model_len or window
-        config = multihost.agree_config(self.model, config)  # one KV pool size on every host
         # The engine validates the remaining settings and allocates the KV cache now, so a bad
         # configuration fails here rather than at the first request.
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
         self.engine = Engine(self.model, self.config, speculative=self.speculative)
+        multihost.check_same_pool(self.engine)  # a multi-host job: one KV pool size everywhere
         self.plan = self.engine.plan  # the reduction plan, validated once (jdet/plan.py)
         self.invariance = self.plan.invariance
         if warmup is None:

@@ -70,8 +70,8 @@ def serve(
         model = load(model, dtype=dtype)
     settings = {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if k in settings})
-    config = multihost.agree_config(model, config)  # one KV pool size on every host
     engine = Engine(model, config, **{k: v for k, v in engine_kwargs.items() if k not in settings})
+    multihost.check_same_pool(engine)  # a multi-host job: one KV pool size everywhere
     if cluster is not None and not cluster.is_leader:
         multihost.follow(engine, cluster)  # process 0 serves; this one replays its requests
         return

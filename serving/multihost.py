@@ -8,8 +8,9 @@ hosts. Only requests cross the network (a few hundred bytes when one arrives), n
 token ids, positions, slots, page tables and sampling inputs; and every kind of step the engine
 runs (prefill, decode dispatched ahead, score rows, speculative verifies, warm-up) needs no
 broadcast of its own. The price is that everything the scheduler reads must be equal on every
-process, which this module arranges: the KV pool's size is agreed (`agree_config`), a request's
-seed is drawn once on process 0 and sent with it, and commands land between the same two steps.
+process, which this module arranges: every process checks that it sized the same KV pool
+(`check_same_pool`), a request's seed is drawn once on process 0 and sent with it, and commands
+land between the same two steps.
 
 Serving (`jdet serve --num-processes N`): process 0 runs the HTTP server on a `LeaderEngine`,
 which applies each add / abort locally and sends it to the followers with the next step; a
@@ -34,23 +35,25 @@ from typing import Any
 from serving.engine import Engine
 from serving.faults import EngineBroken, EngineStepError
 from serving.sampling_options import SamplingOptions
-from serving.shapes import kv_pool
 from sharding import distributed
 from sharding.distributed import Cluster
 
 log = logging.getLogger("jdet.multihost")
 
 
-def agree_config(model: Any, config: Any) -> Any:
-    """`config` (an EngineConfig) with the KV pool's size every process can hold: each process
-    sizes it from its own device memory, and the smallest wins (one collective)."""
-    if distributed.current() is None or config.num_pages is not None:
-        return config
-    _, pages = kv_pool(
-        model.cfg, model.dtype, page_size=config.page_size, max_model_len=config.max_model_len,
-        num_pages=None, max_num_seqs=config.max_num_seqs,
-    )  # fmt: skip
-    return dataclasses.replace(config, num_pages=distributed.agree_min(pages))
+def check_same_pool(engine: Engine) -> None:
+    """In a multi-process job, raise unless every process built a KV pool of the same number of
+    pages (one collective): the pool is one global array, and each process sizes its own from
+    its own device's memory, which hosts of one kind share. Different hosts: give --num-pages."""
+    if distributed.current() is None:
+        return
+    n = engine.page_manager.num_pages
+    lo, hi = distributed.agree_min(n), -distributed.agree_min(-n)
+    if lo != hi:
+        raise ValueError(
+            f"the processes sized KV pools of {lo} to {hi} pages (this one: {n}), but the pool "
+            f"is one array over all of them; start every process with --num-pages {lo}"
+        )
 
 
 def _opts_json(opts: SamplingOptions) -> dict:

@@ -98,11 +98,13 @@ def ranking(key: bytes, replicas: Sequence[int]) -> list[int]:
 # --------------------------------------------------------------------------------- replicas
 @dataclasses.dataclass
 class Replica:
-    """One engine replica: a `jdet serve` subprocess on 127.0.0.1:port."""
+    """One engine replica: a `jdet serve` subprocess on 127.0.0.1:port, or a server someone else
+    runs at `url` (`ReplicaSet.external`: pods of an orchestrator)."""
 
     index: int
     port: int
     devices: str | None  # CUDA_VISIBLE_DEVICES for it (None: inherit)
+    url: str | None = None
     proc: subprocess.Popen | None = None
     ready: bool = False
     warm: bool = False  # passed a health check since it was (re)started
@@ -117,10 +119,13 @@ class Replica:
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.url or f"http://127.0.0.1:{self.port}"
 
     @property
     def alive(self) -> bool:
+        """Its process runs (an external replica: always; its health check decides)."""
+        if self.url is not None:
+            return True
         return self.proc is not None and self.proc.poll() is None
 
 
@@ -169,10 +174,20 @@ class ReplicaSet:
         r.ready, r.warm, r.status, r.misses = False, False, "starting", 0
         log.info("replica %d: started (pid %d, port %d)", r.index, r.proc.pid, r.port)
 
+    @classmethod
+    def external(cls, urls: Sequence[str]) -> ReplicaSet:
+        """Replicas that run elsewhere (e.g. one `jdet serve` pod each): routed to and checked,
+        never started or restarted here."""
+        rs = cls.__new__(cls)
+        rs.serve_kwargs, rs.api_key, rs.fingerprint, rs.stopping = {}, None, None, False
+        rs.replicas = [Replica(i, 0, None, url=u.rstrip("/")) for i, u in enumerate(urls)]
+        return rs
+
     def start_all(self) -> None:
         """Replica 0 first, the others once it is warm: they then load its compiled steps from
         the persistent caches instead of compiling the same shapes at the same time."""
-        self.start(self.replicas[0])
+        if self.replicas[0].url is None:
+            self.start(self.replicas[0])
 
     async def watch(self, client: httpx.AsyncClient) -> None:
         """Every HEALTH_INTERVAL: each replica's /health; start the waiting ones, restart the
@@ -180,7 +195,9 @@ class ReplicaSet:
         while not self.stopping:
             first = self.replicas[0]
             for r in self.replicas:
-                if r.proc is None and r is not first and (first.ready or not first.alive):
+                if r.url is not None:
+                    pass
+                elif r.proc is None and r is not first and (first.ready or not first.alive):
                     self.start(r)
                 elif r.proc is not None and not r.alive and not self.stopping:
                     if r.status != "exited":
@@ -513,3 +530,25 @@ def serve_data_parallel(n: int, serve_kwargs: dict, *, host: str, port: int, log
     app = build_router(replicas, api_key=api_key, public_metrics=public_metrics,
                        max_body_bytes=max_body_bytes)  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m serving.router --replicas URL,URL,...`: the router alone, in front of replicas
+    that run elsewhere (docs/deployment.md). The API key, if any, is $JDET_API_KEY."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m serving.router", description=main.__doc__)
+    ap.add_argument("--replicas", required=True, help="comma-separated replica base URLs")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--public-metrics", action="store_true", help="/metrics without the key")
+    ap.add_argument("--log-level", default="info")
+    a = ap.parse_args(argv)
+    replicas = ReplicaSet.external([u for u in a.replicas.split(",") if u])
+    app = build_router(replicas, api_key=os.environ.get("JDET_API_KEY") or None,
+                       public_metrics=a.public_metrics)  # fmt: skip
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+    main()

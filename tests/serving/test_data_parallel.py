@@ -228,6 +228,30 @@ def serve_mixed_load_then_kill_a_replica(proc, base, serving_model_dir):
         assert metric(base, f'jdet_router_requests_total{{replica="{i}"}}') > 0
         assert f'jdet_requests_finished_total{{replica="{i}",reason="length"}}' in text
 
+    # the router alone in front of replicas it did not start (an orchestrator's pods)
+    urls = ",".join(f"http://127.0.0.1:{r['port']}" for r in h["replicas"])
+    port = free_port()
+    alone = subprocess.Popen([sys.executable, "-m", "serving.router", "--replicas", urls,
+                              "--port", str(port), "--log-level", "warning"],
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    try:
+        other = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(other + "/health", timeout=5).json()["status"] == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline and alone.poll() is None, "router alone did not start"
+            time.sleep(0.3)
+        with httpx.Client() as client:
+            for r, w in zip(reqs[:3], want[:3], strict=True):
+                check(send(client, other, *r), w, "router alone")
+    finally:
+        alone.terminate()
+        alone.wait(timeout=30)
+
     # kill replica 0 while it holds requests: they are retried on replica 1, same bits
     long = [("/v1/completions", {"model": NAME, "prompt": f"{WORDS[i]} {i}", "max_tokens": 160,
                                  "temperature": 0.9, "seed": i, "logprobs": 1})
