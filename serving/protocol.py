@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 
-from jdet.request_fields import INT32_MAX, RequestField, http_fields
+from jdet.request_fields import BOTH, FIELDS, INT32_MAX, RequestField, http_fields
 from jdet.sampling import NUM_TOP
 
 MAX_N = 16  # samples per prompt
@@ -111,14 +111,13 @@ JSON_TYPES: dict[str, Any] = {
 }
 
 
-def sampling_fields(endpoint: str, *, only: bool = False) -> dict[str, Any]:
-    """Pydantic field definitions of the table's fields `endpoint` takes (`only`: those no other
-    endpoint takes)."""
+def sampling_fields(endpoints: tuple[str, ...]) -> dict[str, Any]:
+    """Pydantic field definitions of the table's HTTP fields taken by exactly `endpoints`."""
     def spec(f: RequestField) -> tuple[Any, Any]:
         default = False if f.annotation == "bool" else None
         return JSON_TYPES[f.annotation], Field(default, **f.http_limits)
 
-    return {f.http: spec(f) for f in http_fields(endpoint) if (len(f.endpoints) == 1) == only}
+    return {f.http: spec(f) for f in FIELDS if f.http and f.endpoints == endpoints}
 
 
 class RequestError(Exception):
@@ -153,7 +152,7 @@ class _Common(BaseModel):
     `CommonRequest` adds the table's sampling fields."""
 
     model_config = ConfigDict(extra="forbid")
-    endpoint: ClassVar[str] = "chat"  # which of the table's fields it takes
+    endpoint: ClassVar[str]  # "completions" or "chat": which of the table's fields it takes
 
     model: StrictStr
     stream: StrictBool = False
@@ -182,7 +181,7 @@ class _Common(BaseModel):
             raise RequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
 
 
-CommonRequest = create_model("CommonRequest", __base__=_Common, **sampling_fields("chat"))
+CommonRequest = create_model("CommonRequest", __base__=_Common, **sampling_fields(BOTH))
 CommonRequest.__module__ = __name__
 
 
@@ -225,7 +224,7 @@ class _Completion(CommonRequest):
 
 
 CompletionRequest = create_model(
-    "CompletionRequest", __base__=_Completion, **sampling_fields("completions", only=True)
+    "CompletionRequest", __base__=_Completion, **sampling_fields(("completions",))
 )
 CompletionRequest.__module__ = __name__
 
@@ -251,6 +250,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(CommonRequest):
+    endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=NUM_TOP)
