@@ -204,6 +204,7 @@ def _hf_config_from(cfg: ModelConfig) -> dict:
     arch = ARCHITECTURES[cfg.model_type].hf_class
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **dict(cfg.rope_scaling)}
     return {
+        **_moe_config_from(cfg),
         "architectures": [arch],
         "model_type": cfg.model_type,
         "vocab_size": cfg.vocab_size,
@@ -220,4 +221,22 @@ def _hf_config_from(cfg: ModelConfig) -> dict:
         "attention_bias": cfg.qkv_bias,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None,
+    }
+
+
+def _moe_config_from(cfg: ModelConfig) -> dict:
+    """The expert fields of config.json that give back `cfg`'s (jdet/config.py `_moe_fields`):
+    Qwen3-MoE's sparse layers as every layer but `mlp_only_layers`."""
+    if not cfg.is_moe:
+        return {}
+    if cfg.moe == "mixtral":  # its experts are intermediate_size wide
+        return {"num_local_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok}  # fmt: skip
+    return {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(cfg.dense_layers),
     }

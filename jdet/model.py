@@ -6,7 +6,8 @@ G = H // K, E head dim, F ffn dim, V vocab, L layers.
 One decoder layer: RMSNorm -> q/k/v projections (+bias, + per-head qk-norm for Qwen3) -> RoPE ->
 write this step's K/V into the paged cache -> paged attention (reads the pages, so a token sees
 bitwise the K/V that any other schedule would have written) -> o_proj -> residual -> RMSNorm ->
-SwiGLU MLP -> residual. Layers run under one loop over the stacked weights (a `lax.while_loop`
+SwiGLU MLP (or, in a mixture-of-experts model's sparse layers, the routed experts: jdet/moe.py)
+-> residual. Layers run under one loop over the stacked weights (a `lax.while_loop`
 whose counter is the layer in the invariant modes, a `lax.scan` in "none"), with the cache in
 the carry so XLA updates it in place. Head counts are read from weight shapes, so the same code
 runs on a tensor-parallel shard. All reductions go through `ops` (jdet/ops.py).

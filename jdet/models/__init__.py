@@ -7,8 +7,9 @@ The model code never asks which architecture it runs: the weight table (jdet/par
 `weight_specs`) and the layer forward (jdet/model.py `layer_forward`) select their variants by the
 config flags (`qkv_bias`, `o_bias`, `qk_norm`), so a Llama-family model (same layer, other
 biases / norms / RoPE) is one entry below. An architecture with another layer (e.g. Gemma's
-post-norms, a MoE FFN) adds the flags it needs to ModelConfig, its weights to `weight_specs`
-under those flags, its branch to `layer_forward`, and its entry here.
+post-norms) adds the flags it needs to ModelConfig, its weights to `weight_specs` under those
+flags, its branch to `layer_forward`, and its entry here, as the mixtures of experts did
+(`moe`: ModelConfig's expert fields, jdet/params.py `moe_specs`, jdet/moe.py).
 """
 
 from __future__ import annotations

@@ -115,3 +115,15 @@ def test_router_matches_transformers_topk(normalize):
     np.testing.assert_allclose(np.asarray(w), tw.numpy(), rtol=1e-6)
     if not normalize:
         assert (np.asarray(w).sum(-1) < 0.999).any()  # the unnormalised weights stay so
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_model_built_in_code_saves_a_config_that_gives_back_its_experts(tmp_path, arch):
+    from jdet.loader import Model
+    from jdet.params import init_params
+
+    raw = _raw(model_type=arch, decoder_sparse_step=2, mlp_only_layers=[3], num_local_experts=4)
+    cfg = ModelConfig.from_hf(raw)
+    model = Model(cfg=cfg, params=init_params(cfg, dtype=jnp.float32))
+    assert jdet.load(jdet.save(model, tmp_path / "m")).cfg.to_dict() == {
+        **cfg.to_dict(), "torch_dtype": "bfloat16"}  # fmt: skip
