@@ -26,6 +26,7 @@ then each replica gets SIGTERM (it drains its own) and, after REPLICA_STOP_TIMEO
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -535,8 +536,6 @@ def serve_data_parallel(n: int, serve_kwargs: dict, *, host: str, port: int, log
 def main(argv: list[str] | None = None) -> None:
     """`python -m serving.router --replicas URL,URL,...`: the router alone, in front of replicas
     that run elsewhere (docs/deployment.md). The API key, if any, is $JDET_API_KEY."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m serving.router", description=main.__doc__)
     ap.add_argument("--replicas", required=True, help="comma-separated replica base URLs")
     ap.add_argument("--host", default="127.0.0.1")
