@@ -38,7 +38,16 @@ class EngineConfig:
         None, "longest prompt + completion (default: the model's, capped by the KV pool)"
     )
     page_size: int = _opt(16, "tokens per KV-cache page (a power of two)")
-    num_pages: int | None = _opt(None, "KV-cache pages (default: sized from free memory)")
+    num_pages: int | None = _opt(
+        None, "KV-cache pages (default: on a GPU what gpu_memory_utilization leaves once the "
+        "weights and the largest step's peak are counted; on a CPU enough for a full batch, at "
+        "most 1024)",
+    )  # fmt: skip
+    gpu_memory_utilization: float = _opt(
+        0.9, "fraction of the device memory JAX may use (its limit: XLA_PYTHON_CLIENT_MEM_FRACTION "
+        "of the GPU, 0.75 by default) that the weights, the KV cache and the largest step take "
+        "together; the cache gets what the others leave",
+    )  # fmt: skip
     enable_prefix_caching: bool = _opt(
         True, "reuse the KV pages of shared prompt prefixes", flag="--no-prefix-caching"
     )
@@ -118,7 +127,8 @@ def add_flags(p: argparse.ArgumentParser, cls: type) -> None:
         elif f.type in ("bool", bool):
             p.add_argument(name, dest=f.name, action="store_true", help=help_)
         else:
-            kind = int if str(f.type).startswith("int") else str
+            t = str(f.type)
+            kind = int if t.startswith("int") else float if t.startswith("float") else str
             p.add_argument(
                 name, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
                 help=help_,

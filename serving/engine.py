@@ -36,6 +36,7 @@ from jdet.plan import Plan
 from jdet.settings import EngineConfig, resolve_async
 from jdet.spec_config import SpeculativeConfig
 from serving.faults import EngineStepError, FaultIsolation
+from serving.memory import check_utilization, device_limit, page_bytes_per_device, pool_pages
 from serving.metrics import EngineMetrics, SpecCollector
 from serving.model_runner import ModelRunner
 from serving.outputs import Reporting, RequestUpdate
@@ -44,7 +45,7 @@ from serving.sampling_options import InvalidRequest, SamplingOptions, check_prom
 from serving.scheduler import Scheduler
 from serving.scoring import Scoring, split_scores
 from serving.sequence import Request, Sequence, Status, derive_seed
-from serving.shapes import kv_pool
+from serving.shapes import kv_pool, model_len_limit
 from serving.speculative import Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
@@ -88,28 +89,21 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = model.tokenizer
-        self.max_model_len, num_pages = kv_pool(
-            self.cfg, model.dtype, page_size=page_size, max_model_len=max_model_len,
-            num_pages=num_pages, max_num_seqs=max_num_seqs,
-        )  # fmt: skip
+        util = check_utilization(config.gpu_memory_utilization)
+        # On a device with a memory limit the pool is sized after the weights are placed, from
+        # the compiled step's own peak (serving/memory.py); elsewhere it has a fixed default.
+        sized = num_pages is None and device_limit() is not None
+        if sized:
+            self.max_model_len = model_len_limit(self.cfg, max_model_len)
+        else:
+            self.max_model_len, num_pages = kv_pool(
+                self.cfg, model.dtype, page_size=page_size, max_model_len=max_model_len,
+                num_pages=num_pages, max_num_seqs=max_num_seqs,
+            )  # fmt: skip
         self.page_size = page_size
         self.tp = tp
         self.speculative = SpeculativeConfig.from_any(speculative)
-        self.speculator = None  # speculative decoding (issue 13): drafts + acceptance
-        if self.speculative is not None:
-            self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.page_manager = PageManager(
-            num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
-            watermark=watermark,
-        )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.page_manager,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            policy=config.scheduling,
-            verify_tokens=self.speculator.verify_tokens if self.speculator else None,
-        )
+        rows_per_seq = 1 + (self.speculative.num_tokens if self.speculative else 0)
         self.runner = ModelRunner(
             model,
             invariance=invariance,
@@ -124,7 +118,25 @@ class Engine(FaultIsolation, Reporting, Scoring):
             step_fn=step_fn,
             tp=tp,
             sharded=sharded,
-            rows_per_seq=1 + (self.speculative.num_tokens if self.speculative else 0),
+            rows_per_seq=rows_per_seq,
+        )
+        self.memory_budget = None  # serving/memory.py Budget, where the pool was sized from it
+        if sized:
+            num_pages = self._size_pool(util, max_model_len is None, max_num_batched_tokens, cc)
+        self.speculator = None  # speculative decoding: drafts + acceptance
+        if self.speculative is not None:
+            self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_manager = PageManager(
+            num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
+            watermark=watermark,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.page_manager,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            policy=config.scheduling,
+            verify_tokens=self.speculator.verify_tokens if self.speculator else None,
         )
         if self.speculator is not None:  # a model draft runs on the target's runner
             self.speculator.attach(self.runner, self.invariance)
@@ -149,6 +161,34 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.fault_injector: Callable[[Sequence], None] | None = None
 
     # ------------------------------------------------------------------ requests
+
+    def _size_pool(self, util: float, may_shrink: bool, step_tokens: int, cc: Any) -> int:
+        """Pages of the pool on a device with a memory limit (serving/memory.py): allocate it, or
+        raise naming the memory terms and the settings to change. `may_shrink`: max_model_len
+        was not set, so a pool shorter than the model's own length shortens it instead. `cc`:
+        jdet.compile_cache (the peak's cache lives beside the executables)."""
+        num_pages, budget = pool_pages(self.runner, util, cc.exec_dir())
+        self.memory_budget = budget
+        if num_pages > 0:
+            num_pages = self.runner.allocate_kv_to_fit(num_pages, budget.peak)
+        need = -(-self.max_model_len // self.page_size)
+        if num_pages < need:
+            fits = num_pages * self.page_size
+            if not may_shrink or fits < step_tokens:
+                page_mib = page_bytes_per_device(self.runner) / (1 << 20)
+                raise ValueError(
+                    f"the model does not fit: {budget.describe()}, which holds {fits} tokens of "
+                    f"KV cache ({page_mib:.2f} MiB a {self.page_size}-token page) but one "
+                    f"sequence of max_model_len={self.max_model_len} needs {need} pages"
+                    + ("" if may_shrink else f" and a step {step_tokens} tokens")
+                    + "; lower max_model_len or max_num_batched_tokens, raise "
+                    "gpu_memory_utilization, or split the model over more devices (tp); JAX's own "
+                    "limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (default 0.75)"
+                )
+            self.max_model_len = fits
+            self.runner.set_max_model_len(fits)
+        return num_pages
+
     def add_request(
         self,
         request_id: str,

@@ -15,15 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdet import compile_cache, exec_cache
 from jdet.batch import build_batch, decode_batch
-from jdet.kv_cache import init_kv_cache
+from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan
 from jdet.step import SamplingInputs, make_score_fn, make_step_fn
+from jdet.tp_layout import kv_heads_in_cache
 from serving import host_inputs as hi
 from serving import sampler_variants
 from serving.host_inputs import SplitScore
@@ -32,6 +34,7 @@ from serving.page_manager import cdiv
 from serving.sequence import Sequence, num_rows, step_tokens
 from serving.shapes import ShapeSet
 from serving.warmup import warmup, warmup_batch
+from sharding.mesh import TP_AXIS
 from sharding.tp import make_tp_runtime
 
 
@@ -79,6 +82,7 @@ class ModelRunner:
             min_seqs_bucket=min_seqs_bucket,
             min_pages_bucket=min_pages_bucket,
         )
+        self._min_tokens_bucket, self._min_pages_bucket = min_tokens_bucket, min_pages_bucket
         self.kv_dtype = kv_dtype or model.dtype
         self.score_fn = None
         self._score_cached = False  # score_fn behind the executable cache yet (score_step)
@@ -91,7 +95,9 @@ class ModelRunner:
             rt = make_tp_runtime(model.params, self.cfg, tp, invariance)
             replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
             self.params = rt.params
-            self.kv = rt.init_kv(num_pages, page_size, self.kv_dtype)
+            self._init_kv = lambda n: rt.init_kv(n, page_size, self.kv_dtype)
+            self._kv_sharding = jax.sharding.NamedSharding(rt.mesh, PartitionSpec(None, TP_AXIS))
+            self.kv_devices = tp
             self.step_fn, self.score_fn = rt.step, rt.score
             # where a step's sampled tokens live (replicated over the mesh): see dispatch
             self.token_sharding = NamedSharding(rt.mesh, PartitionSpec())
@@ -100,13 +106,19 @@ class ModelRunner:
             self.token_sharding = SingleDeviceSharding(jax.devices()[0])
             # committed to the device, as every step's returned cache is: an uncommitted first
             # cache is another argument sharding, so the first step shape compiled twice
-            self.kv = jax.device_put(
-                init_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype), self.token_sharding
+            self._init_kv = lambda n: jax.device_put(
+                init_kv_cache(self.cfg, n, page_size, self.kv_dtype), self.token_sharding
             )
+            self._kv_sharding = self.token_sharding
+            self.kv_devices = 1
             self.step_fn = step_fn or cached_step_fn(self.cfg, invariance)
+        self.kv: dict | None = None
+        if num_pages is not None:  # None: the engine sizes the pool first (`allocate_kv`)
+            self.allocate_kv(num_pages)
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
+        self._pads: dict[tuple[int, int], Callable] = {}  # `_pad_tokens`
         # per-request logits transforms and structured output (serving/logits_rows.py)
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
@@ -130,6 +142,63 @@ class ModelRunner:
             else:
                 run = hi.packed_step_fn(self.step_fn, invariance)
                 self.step_fn = hi.PackedStep(self._exec_cached(run, "step"))
+
+    def allocate_kv(self, num_pages: int) -> None:
+        """Create the zeroed KV pool of `num_pages` pages (any earlier pool is freed first, so
+        the two never coexist)."""
+        self.kv = None
+        self.kv = self._init_kv(num_pages)
+        self.num_pages = num_pages
+
+    def allocate_kv_to_fit(self, num_pages: int, keep_free: int) -> int:
+        """`allocate_kv` of at most `num_pages` pages such that the device still has a free
+        block of `keep_free` bytes (the step's working memory) beside it; returns the pages.
+
+        Why not just `num_pages`: the pool is two arrays of up to tens of GiB each, and each
+        needs one contiguous block of the device allocator. Bytes that are free in total may be
+        cut into smaller holes by what was placed and freed before (the weights' preparation),
+        and an allocation that fails reports it only when the step first reads the array. So
+        each try is waited for, and a pool that does not fit, or leaves no block for the step,
+        is freed and tried 10 % smaller."""
+        for _ in range(40):
+            try:
+                self.allocate_kv(num_pages)
+                jax.block_until_ready(self.kv)
+                free = _largest_free_block()
+                if free is None or free >= keep_free:
+                    return num_pages
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+            self.kv = None
+            num_pages = int(num_pages * 0.9)
+            if num_pages < 1:
+                break
+        raise MemoryError(
+            f"no KV pool fits beside the weights with a {keep_free / 2**30:.2f} GiB block "
+            f"left for the step: the device's free memory is too fragmented or too small"
+        )
+
+    def abstract_kv(self, num_pages: int) -> dict:
+        """The pool of `num_pages` pages as shapes and placements only (nothing allocated):
+        what a compile for memory analysis takes (serving/memory.py)."""
+        heads = self.cfg.num_kv_heads
+        if self._mesh is not None:
+            heads = kv_heads_in_cache(self.cfg, self.tp)
+        shape = (self.cfg.num_layers, heads, num_pages, self.page_size, self.cfg.head_dim)
+        dt = storage_dtype(self.kv_dtype)
+        return {n: jax.ShapeDtypeStruct(shape, dt, sharding=self._kv_sharding) for n in "kv"}
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Shrink the longest sequence (a pool smaller than one sequence of the model's own
+        length): the page-table buckets follow."""
+        self.max_pages = cdiv(max_model_len, self.page_size)
+        s = self.shapes
+        self.shapes = ShapeSet.build(
+            max_num_batched_tokens=s.tokens[-1], max_num_seqs=s.max_seqs,
+            max_pages=self.max_pages, min_tokens_bucket=self._min_tokens_bucket,
+            min_seqs_bucket=s.min_seqs, min_pages_bucket=self._min_pages_bucket,
+        )  # fmt: skip
 
     def score_step(self) -> Callable:
         """The teacher-forced score function matching this runner's step: on a CPU in "tp" and
@@ -271,12 +340,16 @@ class ModelRunner:
         """The decode step after the one in flight, one row per sequence in the same order, its
         input tokens the in-flight step's sampled `tokens` (a device array, never brought to the
         host): sequence i's new token sits at position seq.num_tokens (the host does not know
-        it yet). None when `tokens` does not have the step's token shape (S bucket != T bucket:
-        the caller then runs the step the ordinary way, after the host has the tokens)."""
+        it yet). Fewer `tokens` than the step's T bucket (an S bucket below its T bucket, e.g.
+        max_num_seqs=8 under a 16-token bucket) are padded on the device, as the host pads its
+        own token ids; None when there are more (the caller then runs the step the ordinary
+        way, after the host has the tokens)."""
         S = len(plan)
         Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.page_table) for s, _ in plan))
-        if tuple(tokens.shape) != (Tp,):
+        if tokens.ndim != 1 or tokens.shape[0] > Tp:
             return None
+        if tokens.shape[0] < Tp:
+            tokens = self._pad_tokens(tokens.shape[0], Tp)(tokens)
         rows = self._ahead_rows(plan, Sp)
         if rows is None:
             return None  # penalties, masks, grammar read the previous token on the host (issue 19)
@@ -292,6 +365,16 @@ class ModelRunner:
             logits=self._neutral_logits(variant, Sp, Pp), **variant.fields(),
         )  # fmt: skip
         return batch, sampling
+
+    def _pad_tokens(self, n: int, t: int) -> Callable:
+        """A device function padding n token ids to t with zeros (what the host pads with),
+        placed like a step's input tokens (`place_tokens`): one executable of the step serves
+        tokens from the host and from the device either way."""
+        fn = self._pads.get((n, t))
+        if fn is None:
+            fn = jax.jit(lambda x: jnp.pad(x, (0, t - n)), out_shardings=self.token_sharding)
+            self._pads[(n, t)] = fn
+        return fn
 
     def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
         """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
@@ -359,3 +442,10 @@ class ModelRunner:
         for a in arrays:
             a.copy_to_host_async()
         return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}
+
+
+def _largest_free_block() -> int | None:
+    """The device allocator's largest free block in bytes, where it reports one (a GPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("largest_free_block_bytes")
+    return int(free) if free is not None else None

@@ -8,7 +8,9 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
   last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU 1, then 8 to 512: 8 buckets,
   `default_min_tokens_bucket`, `single_token_bucket`);
 - S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
-  No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs;
+  No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs
+  (a decode step dispatched ahead takes the previous step's S sampled tokens padded on the
+  device to its T: serving/model_runner.py `prepare_ahead`);
 - Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
   maximum (a last geometric bucket above half the maximum merges into it): 32, 128, 512 pages
   for max_model_len 8192 at page size 16, i.e. 3 buckets.
@@ -33,7 +35,6 @@ from typing import Any
 
 import jax
 
-from jdet.kv_cache import kv_bytes_per_token
 from pallas_kernels import _platform, xla_fixed
 from serving.page_manager import cdiv
 
@@ -138,31 +139,25 @@ CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)
 
 
 def default_num_pages(
-    cfg: Any,
-    page_size: int,
-    dtype: Any,
-    *,
-    max_model_len: int,
-    max_num_seqs: int,
-    memory_fraction: float = 0.85,
+    cfg: Any, page_size: int, dtype: Any, *, max_model_len: int, max_num_seqs: int
 ) -> int:
-    """Pages that fit in the free device memory (GPU), or on a CPU enough for a full batch up
-    to CPU_MAX_PAGES (16k tokens at page 16: every engine allocates and zeroes its pool, ~0.5 s
-    for the embedded model's former 4096-page default on the 2-core machine)."""
-    page_bytes = kv_bytes_per_token(cfg, dtype) * page_size
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = {}
-    limit = stats.get("bytes_limit")
-    if limit:
-        free = int(limit * memory_fraction) - int(stats.get("bytes_in_use", 0))
-        # No 2**31-element cap: the paged kernels address a pool past 4 GiB with 64-bit offsets
-        # (Pallas's Triton lowering; tests/jdet/test_rope_kv_model.py, GPU). An 8B model kept
-        # 65k tokens of KV on an 80 GB H100 under the old cap.
-        return max(cdiv(max_model_len, page_size), free // page_bytes)
-    return max(cdiv(max_model_len, page_size), min(cdiv(max_model_len, page_size) * max_num_seqs,
-                                                   CPU_MAX_PAGES))  # fmt: skip
+    """The pool off a device with a memory limit (a CPU): enough for a full batch of
+    max_model_len sequences, at most CPU_MAX_PAGES (16k tokens at page 16: every engine allocates
+    and zeroes its pool, ~0.5 s for a 4096-page pool of the embedded model on the 2-core machine),
+    and at least one sequence. A GPU's pool is sized from its memory (serving/memory.py)."""
+    one = cdiv(max_model_len, page_size)
+    return max(one, min(one * max_num_seqs, CPU_MAX_PAGES))
+
+
+def model_len_limit(cfg: Any, max_model_len: int | None) -> int:
+    """max_model_len as set, checked against the model's max_position_embeddings (its default)."""
+    limit = cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+            f"({limit}); lower it"
+        )
+    return max_model_len or limit
 
 
 def kv_pool(
@@ -178,13 +173,7 @@ def kv_pool(
     model's max_position_embeddings (and may not exceed it), num_pages to `default_num_pages`
     (then an unset max_model_len shrinks to what the pool holds); the pool must hold one
     sequence of max_model_len."""
-    limit = cfg.max_position_embeddings
-    if max_model_len is not None and max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-            f"({limit}); lower it"
-        )
-    model_len = max_model_len or limit
+    model_len = model_len_limit(cfg, max_model_len)
     if num_pages is None:
         num_pages = default_num_pages(
             cfg, page_size, dtype, max_model_len=model_len, max_num_seqs=max_num_seqs

@@ -1,0 +1,142 @@
+"""The KV page pool's size on a device with a memory limit: what is left of the device's memory
+once the weights, the step's own peak and a headroom are counted, under `gpu_memory_utilization`.
+
+Why measured, not guessed: the pool used to take a fixed 85 % of the free memory, which left the
+step's working memory to chance (an 8B engine on an H200 then failed its first step). Here every
+term is read off the device or the compiler:
+- the weights and anything else already placed: the device's `bytes_in_use` once the runner has
+  placed its (padded, fused) weights;
+- the step's peak: XLA's memory analysis of the largest step shape the engine runs, compiled
+  against an abstract pool (`temp_size_in_bytes`: activations, attention partials, sampler rows;
+  the cache itself is donated and aliased, so the pool's size does not enter it — asserted by
+  tests/serving/test_memory.py), plus the score function's f32 logits of a full token bucket;
+- a fixed headroom for what neither counts (allocator fragmentation, host-to-device staging of a
+  step's inputs, small executables such as the logits transforms).
+The pool gets the rest: pages = (utilization x limit - in use - peak - headroom) // page bytes.
+A model that does not fit gets an error naming each term and the settings to change.
+
+The compile is cached: the peak of a (model, plan, step shape, placement) is written beside
+jdet's executables (`<key>.peak.json` in jdet/compile_cache.py `exec_dir`), so a restart sizes
+its pool without compiling; without a cache directory the compile is paid at every start (about
+the time of one step shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdet.exec_key import entry_key, key_parts
+
+GiB = 1 << 30
+# What no measurement covers (module docstring): the allocator's fragmentation and small buffers.
+HEADROOM_BYTES = 1 * GiB
+SCORE_LOGITS_COPIES = 3  # score(): f32 logits, their log-softmax and the gathered rows' temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One device's memory terms, in bytes (module docstring)."""
+
+    limit: int  # what JAX may allocate on the device (its `bytes_limit`)
+    utilization: float  # EngineConfig.gpu_memory_utilization
+    in_use: int  # weights and everything placed before the pool
+    peak: int  # the largest step's working memory (XLA's memory analysis)
+    headroom: int
+
+    @property
+    def for_pool(self) -> int:
+        return int(self.utilization * self.limit) - self.in_use - self.peak - self.headroom
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        return (
+            f"gpu_memory_utilization {self.utilization} x the device's {g(self.limit)} = "
+            f"{g(int(self.utilization * self.limit))}; weights and other buffers in use "
+            f"{g(self.in_use)}, the largest step's peak {g(self.peak)}, headroom "
+            f"{g(self.headroom)}: {g(max(self.for_pool, 0))} left for the KV cache"
+        )
+
+
+def device_limit() -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of the first device, or None where it reports no limit (a
+    CPU): there the pool keeps its fixed default (serving/shapes.py `default_num_pages`)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    limit = stats.get("bytes_limit")
+    return (int(limit), int(stats.get("bytes_in_use", 0))) if limit else None
+
+
+def check_utilization(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization={value} must be in (0, 1]: the fraction of the device "
+            f"memory JAX may use that the engine's weights, KV cache and step take"
+        )
+    return value
+
+
+def step_peak(runner: Any, exec_dir: Path | None) -> int:
+    """The largest step shape's working memory in bytes (XLA's memory analysis), compiled
+    against an abstract pool of the pages of one max_model_len sequence, plus the score
+    function's f32 logits for the largest token bucket (`SCORE_LOGITS_COPIES`)."""
+    shape = runner.shapes.all()[-1]
+    kv = runner.abstract_kv(runner.max_pages)
+    batch, sampling = runner.warmup_batch(shape, "step")
+    path = _peak_path(runner, kv, batch, sampling, exec_dir)
+    temp = None
+    if path is not None and path.exists():
+        try:
+            temp = int(json.loads(path.read_text())["temp"])
+        except (OSError, ValueError, KeyError, TypeError):
+            temp = None
+    if temp is None:
+        compiled = runner.step_fn.lower(runner.params, kv, batch, sampling).compile()
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"temp": temp, "shape": list(shape)}))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # the next start compiles again
+    score_logits = shape[0] * runner.cfg.vocab_size * 4 * SCORE_LOGITS_COPIES
+    return temp + score_logits
+
+
+def _peak_path(runner: Any, kv: Any, batch: Any, sampling: Any, exec_dir: Path | None) -> Any:
+    if exec_dir is None:
+        return None
+    static = {"cfg": repr(runner.cfg), "invariance": runner.invariance, "tp": runner.tp,
+              "what": "step peak"}  # fmt: skip
+    parts = key_parts("serving.memory.step_peak", static, jax.devices()[: runner.tp],
+                      (runner.params, kv, batch, sampling))  # fmt: skip
+    return Path(exec_dir) / (entry_key(parts) + ".peak.json")
+
+
+def page_bytes_per_device(runner: Any) -> int:
+    """Bytes of one KV page (k and v, every layer) on one device of the runner's mesh."""
+    kv = runner.abstract_kv(1)
+    total = sum(int(jnp.dtype(a.dtype).itemsize) * int(a.size) for a in kv.values())
+    return total // runner.kv_devices
+
+
+def pool_pages(runner: Any, utilization: float, exec_dir: Path | None) -> tuple[int, Budget]:
+    """Pages of the pool (module docstring) and the budget they were read from; the runner has
+    placed its weights and holds no pool yet."""
+    limit = device_limit()
+    if limit is None:
+        raise RuntimeError("pool_pages needs a device that reports its memory limit")
+    peak = step_peak(runner, exec_dir)
+    limit, in_use = device_limit()  # after the compile: nothing stays, but read it as it is
+    budget = Budget(limit, utilization, in_use, peak, HEADROOM_BYTES)
+    return max(0, budget.for_pool // page_bytes_per_device(runner)), budget

@@ -1,0 +1,103 @@
+"""The KV pool's size on a device with a memory limit (serving/memory.py).
+
+A CPU reports no memory limit, so the GPU's sizing runs here under a simulated one: the device's
+limit and bytes in use are stated, the step's peak is XLA's memory analysis of the real compiled
+step (the CPU's). tests/serving/test_memory_gpu.py builds a default engine on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving import engine as engine_mod
+from serving import memory
+from serving.engine import Engine
+
+SETTINGS = dict(max_num_batched_tokens=16, max_num_seqs=4, invariance="tp")
+
+
+@pytest.fixture
+def limit(monkeypatch, serving_model):
+    """`set_pool(pages, utilization)` makes the device report a limit and bytes in use that leave
+    exactly `pages` pages to the pool, as a GPU would report them (headroom 1 MiB, so the tiny
+    model's pool stays small); returns (limit, in_use, peak)."""
+    from jdet import compile_cache
+
+    value = [0, 0]
+    fake = lambda: tuple(value)  # noqa: E731
+    monkeypatch.setattr(memory, "device_limit", fake)
+    monkeypatch.setattr(engine_mod, "device_limit", fake)
+    monkeypatch.setattr(memory, "HEADROOM_BYTES", 1 << 20)
+    probe = Engine(serving_model, num_pages=48, **SETTINGS).runner
+    peak = memory.step_peak(probe, compile_cache.exec_dir())  # what the engines will read
+    page = memory.page_bytes_per_device(probe)
+
+    def set_pool(pages: int, utilization: float = 0.5, in_use: int = 64 << 20) -> tuple:
+        value[:] = [int((in_use + peak + (1 << 20) + pages * page) / utilization) + 1, in_use]
+        return value[0], value[1], peak
+
+    return set_pool
+
+
+def test_step_peak_does_not_grow_with_the_pool(serving_model):
+    """The cache is donated and updated in place: the step's working memory is the same for a
+    pool 16x larger, and the pool is aliased input to output (no second pool-sized array)."""
+    eng = Engine(serving_model, num_pages=64, **SETTINGS)
+    r = eng.runner
+    batch, sampling = r.warmup_batch(r.shapes.all()[-1], "step")
+    temps, aliases = [], []
+    for pages in (64, 1024):
+        kv = r.abstract_kv(pages)
+        m = r.step_fn.lower(r.params, kv, batch, sampling).compile().memory_analysis()
+        temps.append(m.temp_size_in_bytes)
+        aliases.append(m.alias_size_in_bytes)
+        pool = sum(a.size * a.dtype.itemsize for a in kv.values())
+        assert m.alias_size_in_bytes >= pool, (m.alias_size_in_bytes, pool)
+    assert temps[0] == temps[1], temps
+    assert aliases[1] > aliases[0]
+
+
+def test_pool_is_what_the_limit_leaves_after_weights_peak_and_headroom(serving_model, limit):
+    lim, in_use, peak = limit(48)
+    eng = Engine(serving_model, gpu_memory_utilization=0.5, **SETTINGS)
+    b = eng.memory_budget
+    assert (b.limit, b.in_use, b.utilization, b.peak) == (lim, in_use, 0.5, peak)
+    assert peak > 0 and b.headroom == 1 << 20
+    page = memory.page_bytes_per_device(eng.runner)
+    assert b.for_pool // page == 48
+    assert eng.page_manager.num_pages == eng.runner.num_pages == eng.runner.kv["k"].shape[2] == 48
+    # the model's own length fits: max_model_len stays the model's
+    assert eng.max_model_len == serving_model.cfg.max_position_embeddings
+
+
+def test_pool_shorter_than_the_model_shortens_max_model_len(serving_model, limit):
+    limit(20)  # 320 tokens: fewer than the model's 512 positions
+    eng = Engine(serving_model, gpu_memory_utilization=0.5, **SETTINGS)
+    assert eng.page_manager.num_pages == 20
+    assert eng.max_model_len == 20 * 16 < serving_model.cfg.max_position_embeddings
+    assert eng.runner.shapes.pages[-1] == 20
+
+
+def test_a_model_that_does_not_fit_names_the_bytes_and_the_settings(serving_model, limit):
+    limit(20, utilization=0.9)
+    with pytest.raises(ValueError) as e:
+        Engine(serving_model, gpu_memory_utilization=0.9, max_model_len=512, **SETTINGS)
+    msg = str(e.value)
+    for words in ("does not fit", "gpu_memory_utilization 0.9", "weights and other buffers in use",
+                  "largest step's peak", "max_model_len=512", "tp"):  # fmt: skip
+        assert words in msg, msg
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
+        Engine(serving_model, gpu_memory_utilization=1.5, **SETTINGS)
+
+
+def test_a_sized_pool_gives_the_bits_of_an_explicit_one(serving_model, limit):
+    sp = dict(max_tokens=6, temperature=0.0)
+    ref = Engine(serving_model, num_pages=48, **SETTINGS)
+    ref.add_request("a", [5, 6, 7, 8, 9, 10, 11], sp)
+    (want,) = ref.run()
+    limit(48)
+    eng = Engine(serving_model, gpu_memory_utilization=0.5, **SETTINGS)
+    eng.add_request("a", [5, 6, 7, 8, 9, 10, 11], sp)
+    (got,) = eng.run()
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert np.array_equal(got.outputs[0].logprobs, want.outputs[0].logprobs)
