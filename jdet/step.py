@@ -67,6 +67,13 @@ def _logits(params, cfg, kv, batch, ops, gather_vocab):
     return kv, logits
 
 NONE_GPU_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Every GPU step without XLA's rematerialization pass. Why: XLA sizes a program's memory with the
+# donated KV pool counted twice (as input and as output: "may-alias"), so a pool that fills the
+# device always looks too large, and the pass then spends seconds per compile failing to shrink
+# it (an 8B step with a 58 GiB pool on an H200: 7.7 s -> 3.0 s of compile, the same program and
+# memory: "Can't reduce memory use below ..."). The engine sizes the pool from the step's own
+# peak (serving/memory.py), so there is nothing for the pass to rescue.
+GPU_XLA_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 
 
@@ -103,25 +110,28 @@ def xla_options(ops: Ops) -> dict:
     """XLA compiler options of the step: on a CPU `CPU_XLA_OPTIONS` in the invariant modes (one
     thread; `$JDET_CPU_XLA_OPTIONS` "key=value,..." or "" overrides it; "none" keeps XLA's
     defaults, threaded dots whose rounding may follow the batch, which its negative controls
-    rely on), on a GPU empty except for the "none" mode:
+    rely on), on a GPU `GPU_XLA_OPTIONS` (no rematerialization pass) and in the "none" mode
+    XLA's Triton GEMMs off:
 
-    Why: the layers run under a `lax.scan` over stacked weights, so each projection's weight is a
-    dynamic slice of the stack. XLA feeds a dynamic slice to a custom call (our Pallas kernels,
-    cuBLAS) in place ("dynamic slice fusion"), but its Triton GEMM fusions — which it picks for
-    small-M dots — take only whole buffers, so it copied every weight of every layer before
-    using it: the "none" decode step read each weight twice and wrote it once (H100 profile,
-    Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off the dots go to
-    cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS` ("key=value,...", or "" for
-    XLA's defaults) overrides it, for benchmarks."""
+    Why the latter: the layers run under a `lax.scan` over stacked weights, so each projection's
+    weight is a dynamic slice of the stack. XLA feeds a dynamic slice to a custom call (our
+    Pallas kernels, cuBLAS) in place ("dynamic slice fusion"), but its Triton GEMM fusions —
+    which it picks for small-M dots — take only whole buffers, so it copied every weight of
+    every layer before using it: the "none" decode step read each weight twice and wrote it once
+    (H100 profile, Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off
+    the dots go to cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS`
+    ("key=value,...", or "" for XLA's defaults) overrides it, for benchmarks."""
     if _platform.platform() == "cpu":
         if not ops.invariant:  # "none" stays XLA's default (threaded): the baseline as it is
             return {}
         env = os.environ.get(CPU_OPTIONS_ENV)
         return dict(CPU_XLA_OPTIONS) if env is None else _parse_options(env)
-    if ops.invariant or _platform.platform() != "gpu":
+    if _platform.platform() != "gpu":
         return {}
+    if ops.invariant:
+        return dict(GPU_XLA_OPTIONS)
     env = os.environ.get(OPTIONS_ENV)
-    return dict(NONE_GPU_XLA_OPTIONS) if env is None else _parse_options(env)
+    return {**GPU_XLA_OPTIONS, **(NONE_GPU_XLA_OPTIONS if env is None else _parse_options(env))}
 
 
 def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
@@ -130,7 +140,10 @@ def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
     also called inside another jit (score, from jdet.train), where JAX refuses compiler options,
     so it gets none on a CPU (on a GPU its options are empty in the modes jdet.train nests).
     The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
-    opts = {} if nested and _platform.platform() == "cpu" else xla_options(ops)
+    opts = xla_options(ops)
+    if nested:  # jdet.train nests the invariant modes' score, which then take their caller's
+        opts = {} if _platform.platform() == "cpu" else {
+            k: v for k, v in opts.items() if k not in GPU_XLA_OPTIONS}  # fmt: skip
 
     def jit(fn: Callable) -> Callable:
         jitted = jax.jit(fn, donate_argnums=(1,), **({"compiler_options": opts} if opts else {}))

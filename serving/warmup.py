@@ -5,7 +5,9 @@ even beside running sequences). Split out of serving/model_runner.py; `ModelRunn
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -54,33 +56,66 @@ def warmup_batch(
     )
     return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling
 
+def warmup_workers() -> int:
+    """Threads that compile warm-up shapes at once: on a GPU up to 8 (a shape's compile is
+    mostly XLA's, which releases the GIL; its tracing and lowering do not, so more threads than
+    that gain nothing: an 8B step traces in ~2 s and compiles in ~3-5 s, and 4 shapes took 15 s
+    in 4 threads against 25 s one after another on an H200 host); on a CPU one, since the
+    compiles would take the cores the tests and the host's own work need."""
+    if jax.default_backend() == "cpu":
+        return 1
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def warmup(
     runner: Any, kind: str = "step", progress: bool = True, should_stop: Any = None
 ) -> float:
     """Compile (or load from the persistent cache) `kind` ("step" or "score") for every shape
     of the set — a step for each sampler variant a step may run (serving/sampler_variants.py)
-    — running each once on a junk batch that writes nothing: safe at any time. Shows a tqdm
-    bar naming shape k of n and the seconds taken. Returns the seconds."""
+    — then run each once on a junk batch that writes nothing: safe at any time. The compiles
+    run in `warmup_workers()` threads, the runs one after another (they share the device and
+    the donated cache). Shows a tqdm bar naming shape k of n and the seconds its compile took.
+    Returns the seconds."""
     if kind == "step":  # from now on the steps run only the variants compiled here
         runner.variants = sampler_variants.engine_variants()  # the set now (tests may set it)
         runner._ahead_key = None  # rows prepared with a variant of an earlier set
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
-    ns = len(runner.shapes.all())
     shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
     fn = runner.score_step() if kind == "score" else runner.step_fn
+    inputs = []
+    for shape, variant in shapes:
+        batch, extra = runner.warmup_batch(shape, kind, variant)  # (score: no variant)
+        inputs.append((runner.place_tokens(batch) if kind == "step" else batch, extra))
     bar = None
     if progress:
         bar = tqdm(total=len(shapes), desc=f"jdet: compiling {kind} shapes", unit="shape")
     t_all = time.perf_counter()
+
+    def make(k: int) -> None:
+        if should_stop is not None and should_stop():
+            return
+        t0 = time.perf_counter()
+        exec_cache.prepare(fn, runner.params, runner.kv, *inputs[k])  # load, or compile
+        if bar is not None:
+            (T, S, P), variant = shapes[k]
+            name = f" {variant.name} sampler" if kind == "step" else ""
+            bar.set_postfix_str(f"shape {k // len(variants) + 1}/{len(shapes) // len(variants)} "
+                                f"T={T} S={S} Pmax={P}{name}: {time.perf_counter() - t0:.1f}s")
+            bar.update(1)
+
     try:
-        for k, (shape, variant) in enumerate(shapes):
+        workers = warmup_workers()
+        if workers > 1 and len(shapes) > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="jdet-warmup") as pool:
+                for f in [pool.submit(make, k) for k in range(len(shapes))]:
+                    f.result()
+        else:
+            for k in range(len(shapes)):
+                make(k)
+        for k, (shape, _) in enumerate(shapes):  # each executable once, on the device
             if should_stop is not None and should_stop():
                 break
-            t0 = time.perf_counter()
-            batch, extra = runner.warmup_batch(shape, kind, variant)  # (score: no variant)
-            if kind == "step":
-                batch = runner.place_tokens(batch)
-            exec_cache.prepare(fn, runner.params, runner.kv, batch, extra)  # load, or compile
+            batch, extra = inputs[k]
             if kind == "step":
                 out = runner.dispatch(batch, extra)
             else:
@@ -88,14 +123,9 @@ def warmup(
             jax.block_until_ready(out)
             if kind == "step":
                 runner.shapes_seen.add(shape)
-            if bar is not None:
-                T, S, P = shape
-                bar.set_postfix_str(
-                    f"shape {k // len(variants) + 1}/{ns} T={T} S={S} Pmax={P}"
-                    + (f" {variant.name} sampler" if kind == "step" else "")
-                    + f": {time.perf_counter() - t0:.1f}s"
-                )
-                bar.update(1)
+                T, S, _ = shape
+                if S < T:  # an ahead step's sampled tokens padded to T on the device
+                    jax.block_until_ready(runner._pad_tokens(S, T)(out.tokens))
     finally:
         if bar is not None:
             bar.close()
