@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
-from jdet.kv_cache import storage_dtype
+from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
@@ -108,12 +108,11 @@ def init_tp_kv_cache(
         # Zeros made by numpy and placed: the jitted maker below compiles a program (~0.1 s CPU
         # of a cold `jdet generate`); the same zeros, the same placement.
         return {n: jax.device_put(np.zeros(shape, dt), sharding) for n in ("k", "v")}
-    # One program per array, never one making both: XLA gave two equal zero outputs of one
-    # program a single buffer, and the step, which donates k and v and writes both in place,
-    # then had to allocate the second (half the pool) in its first call: the default pool of an
-    # 8B model on an H200 ran out of memory there.
-    make = jax.jit(functools.partial(jnp.zeros, shape, dt), out_shardings=sharding)
-    return {n: make() for n in ("k", "v")}
+    make = jax.jit(
+        functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, num_kv_heads=k),
+        out_shardings={n: sharding for n in ("k", "v")},
+    )
+    return make()
 
 
 def _gather_vocab(logits: jax.Array) -> jax.Array:
