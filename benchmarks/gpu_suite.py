@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 PARTS = {
+    "user": "benchmarks.user_bench",
     "matmul": "benchmarks.matmul_bench",
     "attention": "benchmarks.attention_bench",
     "serve": "benchmarks.serve_bench",

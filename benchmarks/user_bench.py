@@ -1,0 +1,213 @@
+"""What a user gets: `jdet.LLM` at its default settings, by wall clock, against compiled PyTorch in
+the same run. The headline of BENCHMARKS.md.
+
+    PYTHONPATH=. python -m benchmarks.user_bench [--shape llama3-8b] [--out DIR] [--smoke]
+
+Parts (JSON rows in user_bench.json; random bf16 weights of the named shape, drawn on the device):
+- start: a fresh process builds `jdet.LLM(model)` and generates one token (warm-up of every step
+  shape included): seconds to the engine and to that first token, cold (an empty cache
+  directory) and then warm (the same directory: jdet's executable cache);
+- decode: batch-1 decode ms/token = (wall of a 1024-token prompt + 129 greedy tokens - wall of
+  another 1024-token prompt + 1 token) / 128, best of 2 each, at the defaults, at context 8192,
+  and across the settings a user may choose: max_num_seqs {1, 8, 16, 64, 256} x pools {sized by
+  default, 1024 and 16384 pages} (a cliff between them is a bug);
+- ttft: one prompt of 2k / 8k / 32k tokens, 1 output token, at the default token budget and at
+  max_num_batched_tokens 8192;
+- torch: compiled PyTorch decode (benchmarks/torch_decode.py, `torch.compile(mode=
+  "reduce-overhead")`) at context 1024 and 8192, in a subprocess of this run, so the ratios are
+  taken on one GPU at one time.
+Each jdet row states its engine's pool and settings; each decode row its ratio to compiled
+PyTorch at the same context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SWEEP_SEQS = (1, 8, 16, 64, 256)
+SWEEP_POOLS = (None, 1024, 16384)  # None: the engine sizes it (serving/memory.py)
+
+
+def _model(shape: str, max_len: int) -> Any:
+    from benchmarks.decode_bench import random_model
+
+    return random_model(shape, max_len)
+
+
+def _decode_ms(llm: Any, ctx: int, rng: np.random.Generator, steps: int = 128) -> tuple:
+    """(decode ms/token, prompt-only wall s) through LLM.generate (module docstring)."""
+    import jdet
+
+    def wall(n: int) -> float:
+        ids = rng.integers(1, llm.model.cfg.vocab_size, ctx).tolist()
+        sp = jdet.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([ids], sp)
+        return time.perf_counter() - t0
+
+    wall(1), wall(9)  # the prefill and decode shapes met, whatever warm-up did
+    one = min(wall(1) for _ in range(2))
+    many = min(wall(steps + 1) for _ in range(2))
+    return (many - one) / steps * 1e3, one
+
+
+def _engine_row(llm: Any, **extra: Any) -> dict:
+    e = llm.engine
+    return {"num_pages": e.page_manager.num_pages, "max_model_len": e.max_model_len,
+            "max_num_seqs": e.config.max_num_seqs,
+            "max_num_batched_tokens": e.config.max_num_batched_tokens,
+            "invariance": e.invariance, **extra}  # fmt: skip
+
+
+def decode(shape: str, smoke: bool) -> list[dict]:
+    import jdet
+
+    rng = np.random.default_rng(0)
+    model = _model(shape, 16384)
+    rows = []
+    settings: list[dict] = [{}]  # the defaults first
+    if not smoke:
+        settings += [{"max_num_seqs": s, "num_pages": p} for s in SWEEP_SEQS for p in SWEEP_POOLS
+                     if (s, p) != (256, None)]  # fmt: skip
+    ctxs = (64,) if smoke else (1024,)
+    for kw in settings:
+        llm = jdet.LLM(model, warmup=False, **kw)
+        for ctx in ctxs + ((8192,) if not kw and not smoke else ()):
+            ms, _ = _decode_ms(llm, ctx, rng, steps=8 if smoke else 128)
+            rows.append(_engine_row(llm, part="decode", settings=kw, ctx=ctx, decode_ms=ms))
+            print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+    return rows
+
+
+def ttft(shape: str, smoke: bool) -> list[dict]:
+    import jdet
+
+    rng = np.random.default_rng(1)
+    lens = (48,) if smoke else (2048, 8192, 32768)
+    model = _model(shape, max(lens) + 64)
+    rows = []
+    for budget in ((None,) if smoke else (None, 8192)):
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        llm = jdet.LLM(model, warmup=False, **kw)
+        for n in lens:
+            sp = jdet.SamplingParams(max_tokens=1, temperature=0.0)
+            prompts = [rng.integers(1, model.cfg.vocab_size, n).tolist() for _ in range(3)]
+            llm.generate([prompts[0]], sp)  # its shapes compiled
+            t = []
+            for ids in prompts[1:]:
+                t0 = time.perf_counter()
+                llm.generate([ids], sp)
+                t.append(time.perf_counter() - t0)
+            rows.append(_engine_row(llm, part="ttft", prompt=n, ttft_ms=min(t) * 1e3))
+            print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+    return rows
+
+
+def _start_child(shape: str) -> None:
+    """One start, in this (fresh) process: prints its JSON row."""
+    t0 = time.perf_counter()
+    import jax
+
+    import jdet
+    from jdet import exec_cache
+
+    model = _model(shape, 8192)
+    jax.block_until_ready(model.params)
+    t1 = time.perf_counter()
+    llm = jdet.LLM(model)
+    t2 = time.perf_counter()
+    llm.generate([[1, 2, 3, 4]], jdet.SamplingParams(max_tokens=1, temperature=0.0))
+    t3 = time.perf_counter()
+    print(json.dumps(_engine_row(
+        llm, part="start", import_and_weights_s=t1 - t0, engine_s=t2 - t1,
+        first_token_after_engine_s=t3 - t2, ready_s=t3 - t1,
+        executables=len(llm.engine.runner.shapes.all()) * len(llm.engine.runner.variants),
+        exec_cache=exec_cache.stats())), flush=True)  # fmt: skip
+
+
+def start(shape: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jdet-user-bench-") as cache:
+        env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
+        for which in ("cold", "warm"):
+            cmd = [sys.executable, "-m", "benchmarks.user_bench", "--start-child", "--shape", shape]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            row = json.loads(lines[-1]) if lines else {"error": p.stderr[-2000:]}
+            rows.append({**row, "cache": which})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def torch_anchor(shape: str, out: Path) -> list[dict]:
+    rows = []
+    for ctx in (1024, 8192):
+        p = subprocess.run([sys.executable, "-m", "benchmarks.torch_decode", "--shape", shape,
+                            "--ctx", str(ctx), "--modes", "compile", "--out", str(out)],
+                           capture_output=True, text=True)  # fmt: skip
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        rows += [json.loads(ln) for ln in lines] or [{"ctx": ctx, "error": p.stderr[-2000:]}]
+    return rows
+
+
+def ratios(result: dict) -> None:
+    """Each decode row's ratio to compiled PyTorch's pipelined step at its context."""
+    bar = {r["ctx"]: r.get("pipelined_step_s") for r in result.get("torch", []) if "ctx" in r}
+    for r in result.get("decode", []):
+        if bar.get(r["ctx"]):
+            r["vs_torch_compile"] = r["decode_ms"] / 1e3 / bar[r["ctx"]]
+
+
+def run(out_dir: str = "out", shape: str = "llama3-8b", smoke: bool = False) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"shape": shape}
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        (out / "user_bench.json").write_text(json.dumps(result, indent=1, default=str))
+
+    parts = [("decode", lambda: decode(shape, smoke)), ("ttft", lambda: ttft(shape, smoke))]
+    if not smoke:  # subprocesses with the full warm-up, and the GPU-only anchor
+        parts = [("start", lambda: start(shape))] + parts
+        parts.append(("torch", lambda: torch_anchor(shape, out)))
+    for name, fn in parts:
+        try:
+            result[name] = fn()
+        except Exception as e:  # noqa: BLE001 - record why a part is missing, run the rest
+            result[name] = [{"error": f"{type(e).__name__}: {e}"[:2000]}]
+        ratios(result)
+        save()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, a few tokens (CPU check)")
+    ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.start_child:
+        _start_child(a.shape)
+        return 0
+    run(a.out, "tiny" if a.smoke else a.shape, a.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
