@@ -3,8 +3,9 @@ test_engine_invariance.py (its probes, engines and comparisons) on a tiny random
 (layer 0: top-2 of 8 experts, layer 1 dense), plus `jdet.train.logprobs` against `score()`.
 
 One engine per mode serves every cell (a fresh page manager per cell, so no cell sees another's
-prefix cache): each engine is one compiled step shape. The probes' prompts share steps with the
-other requests, so their prefill is chunked at budget 64 as the scheduler packs the step.
+prefix cache): each engine is one compiled step shape. Batch size and composition: the probes
+among 12 other requests; chunked prefill: score() packs the probes' 39 and 31 tokens with six
+other sequences into 64-token steps (chunks), against the sampler's one-shot prefill and decode.
 
 Negative control, MoE-specific: "none" mode with the experts' grouped matmul replaced by one that
 splits the input width into 8 f32 partial sums when an expert serves 16 or more rows of the step
