@@ -125,3 +125,27 @@ def test_xla_ragged_dot_baseline_matches_the_reference():
     a = np.asarray(gm.grouped_matmul_xla(xs, W, tiles))
     b = np.asarray(gm.grouped_matmul_reference(xs, W, tiles))
     assert np.abs(a - b).max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", [gm.grouped_matmul, gm.grouped_tree_matmul], ids=["bio", "tree"])
+def test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(fn):
+    """The compiled kernel (backend 'auto') at a Qwen3-30B-A3B expert's shapes, bf16: three
+    probe rows alone vs among 600 rows, 500 of them routed to the probes' expert."""
+    g, k, n = 128, 2048, 768
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) * 0.02, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((600, k), np.float32), jnp.bfloat16)
+    ids = np.concatenate([np.full(500, 7), rng.integers(0, g, 100)]).astype(np.int32)
+    rng.shuffle(ids)
+    probe = [int(np.flatnonzero(ids == 7)[i]) for i in (0, 1, 2)]
+
+    def run(rows):
+        tiles = gm.group_tiles(jnp.asarray(ids[rows]), g, gm.tile_rows())
+        out = fn(gm.gather_rows(x[np.asarray(rows)], tiles), w, tiles)
+        return np.asarray(gm.scatter_rows(out, tiles).astype(jnp.float32))
+
+    crowd = run(list(range(600)))
+    alone = np.stack([run([p])[0] for p in probe])
+    assert np.isfinite(crowd).all()
+    assert np.array_equal(alone, crowd[probe])
