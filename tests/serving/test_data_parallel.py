@@ -25,10 +25,9 @@ from serving.router import label_series, merge_families, ranking, route_key
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
-# test_server's engine settings: one step shape, which that module's server may have compiled
-# into this run's cache already
-ENGINE = dict(max_model_len=256, page_size=8, num_pages=160, max_num_seqs=32,
-              max_num_batched_tokens=64, min_tokens_bucket=64, min_seqs_bucket=32,
+# one step shape (tokens 32, sequences 16, pages 32): a replica compiles little
+ENGINE = dict(max_model_len=256, page_size=8, num_pages=256, max_num_seqs=16,
+              max_num_batched_tokens=32, min_tokens_bucket=32, min_seqs_bucket=16,
               min_pages_bucket=32)  # fmt: skip
 WORDS = ["The quick brown fox", "Tell me about Richard", "Deterministic inference means",
          "hello world, hello", "general kenobi", "0123456789 +-*/", "the lazy dog jumps",
@@ -164,13 +163,14 @@ def log_tail(proc: subprocess.Popen) -> str:
     return "\n".join(x for x in lines if "compiling step shapes" not in x)[-4000:]
 
 
-def wait_ready(proc: subprocess.Popen, base: str, timeout: float = 300) -> dict:
+def wait_ready(proc: subprocess.Popen, base: str, ready=lambda h: h["status"] == "ok",
+               timeout: float = 300) -> dict:  # fmt: skip
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, log_tail(proc)
         try:
             h = health(base)
-            if h["status"] == "ok":
+            if ready(h):
                 return h
         except httpx.HTTPError:
             pass
@@ -213,7 +213,9 @@ def serve_mixed_load_then_kill_a_replica(proc, base, serving_model_dir):
 
     n = int(os.environ.get("JDET_DP_REQUESTS", "24"))
     reqs = mixed_requests(n)
-    llm = jdet.LLM(serving_model_dir, dtype="float32", **ENGINE)  # while the replicas start
+    # once replica 0 is warm: its compiled steps are then in the caches for this process too
+    wait_ready(proc, base, lambda h: h["replicas"][0]["ready"])
+    llm = jdet.LLM(serving_model_dir, dtype="float32", **ENGINE)
     want = reference(llm, reqs)
     h = wait_ready(proc, base)
     assert h["system_fingerprint"] == llm.fingerprint()  # every replica's, checked by the router
@@ -253,12 +255,12 @@ def serve_mixed_load_then_kill_a_replica(proc, base, serving_model_dir):
         alone.wait(timeout=30)
 
     # kill replica 0 while it holds requests: they are retried on replica 1, same bits
-    long = [("/v1/completions", {"model": NAME, "prompt": f"{WORDS[i]} {i}", "max_tokens": 160,
+    long = [("/v1/completions", {"model": NAME, "prompt": f"{WORDS[i]} {i}", "max_tokens": 96,
                                  "temperature": 0.9, "seed": i, "logprobs": 1})
-            for i in range(8)]  # fmt: skip
+            for i in range(6)]  # fmt: skip
     want_long = reference(llm, long)
     victim = h["replicas"][0]["pid"]
-    with httpx.Client() as client, cf.ThreadPoolExecutor(8) as pool:
+    with httpx.Client() as client, cf.ThreadPoolExecutor(6) as pool:
         futs = [pool.submit(send, client, base, *r) for r in long]
         deadline = time.time() + 60
         while health(base)["replicas"][0]["in_flight"] == 0:

@@ -1,7 +1,9 @@
 """One process of test_multihost's two-process job: `jdet.LLM` at TP 8 over both processes'
-4 CPU devices each, generate and score; process 0 writes what it got to an .npz.
+4 CPU devices each, generate and score (process 0 writes what it got to an .npz), then the same
+job serves HTTP (`jdet serve`'s entry point: process 0 serves on HTTP_PORT, process 1 follows)
+until it is stopped.
 
-usage: python multihost_worker.py PORT PROCESS_ID MODEL_DIR OUT
+usage: python multihost_worker.py PORT PROCESS_ID MODEL_DIR OUT HTTP_PORT
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 import numpy as np
 
 import jdet
+from serving.launch import serve
 
 # one step shape (T = 8: no 1-token decode bucket), so each process compiles one forward
 SHAPES = dict(max_num_batched_tokens=8, min_tokens_bucket=8)
@@ -42,14 +45,14 @@ def run(llm: jdet.LLM) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    port, pid, model_dir, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    llm = jdet.LLM(
-        model_dir, dtype="float32", tp=8, **SHAPES, num_processes=2,
-        process_id=pid, coordinator_address=f"127.0.0.1:{port}",
-    )  # fmt: skip
+    port, pid, model_dir, out, http = sys.argv[1:6]
+    job = dict(num_processes=2, process_id=int(pid), coordinator_address=f"127.0.0.1:{port}")
+    llm = jdet.LLM(model_dir, dtype="float32", tp=8, **SHAPES, **job)
     got = run(llm)
-    if pid == 0:
+    if job["process_id"] == 0:
         np.savez(out, **got)
+    # the same job, now as a server (its steps are compiled already: the same shapes)
+    serve(model_dir, port=int(http), dtype="float32", log_level="warning", tp=8, **SHAPES, **job)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Two processes x 4 CPU devices on 127.0.0.1 as one JAX multi-controller job (gloo collectives):
-TP 8 across the processes gives bitwise TP 1's tokens, log-probs and scores, offline and served,
-and a process that dies ends the other within seconds, naming it."""
+TP 8 across the processes gives bitwise TP 1's tokens, log-probs and scores, offline (jdet.LLM)
+and served (process 0 serves, process 1 replays its requests), and a process that dies ends the
+other within seconds, naming it. One job does all three: each start costs two processes'
+imports, loads and compiles."""
 
 from __future__ import annotations
 
@@ -61,19 +63,6 @@ def reference(model_dir: Path) -> dict[str, np.ndarray]:
     return run(jdet.LLM(model_dir, dtype="float32", tp=1, **SHAPES))
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    deadline = time.time() + timeout
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    return outs
-
-
 def test_resolve_reads_the_usual_environment_and_names_what_is_missing():
     env = {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "h:1234"}
     spec = resolve(env=env)
@@ -86,54 +75,41 @@ def test_resolve_reads_the_usual_environment_and_names_what_is_missing():
         resolve(2, 0, env={})
 
 
-def test_tp8_over_two_processes_is_bitwise_tp1_for_generate_and_score(model_dir, tmp_path):
-    port, out = free_port(), tmp_path / "job.npz"
+def test_tp8_over_two_processes_is_bitwise_tp1_offline_and_served_and_a_lost_one_ends_it(
+    model_dir, tmp_path
+):
+    coord, http, out = free_port(), free_port(), tmp_path / "job.npz"
+    logs = [tmp_path / f"process{pid}.log" for pid in (0, 1)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(pid), str(model_dir), str(out)],
-            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for pid in (0, 1)
-    ]
-    ref = reference(model_dir)  # while the job starts
-    logs = wait_all(procs, TIMEOUT)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
-    got = dict(np.load(out))
-    assert len(got["unseeded"]) == 3
-    for k, v in ref.items():
-        if k != "unseeded":
-            assert np.array_equal(got[k], v), k
-    assert len(set(ref["tokens0"].tolist())) > 1 and (ref["logprobs1"] != 0).all()  # not trivial
-
-
-def test_served_over_two_processes_then_losing_one_ends_the_other(model_dir):
-    coord, http = free_port(), free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jdet", "serve", str(model_dir), "--dtype", "float32",
-             "--tp", "8", "--max-num-batched-tokens", "8", "--min-tokens-bucket", "8",
-             "--num-processes", "2",
-             "--process-id", str(pid), "--coordinator-address", f"127.0.0.1:{coord}",
-             "--port", str(http), "--log-level", "warning"],
-            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(WORKER), str(coord), str(pid), str(model_dir), str(out),
+             str(http)],
+            env=job_env(), stdout=logs[pid].open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         for pid in (0, 1)
     ]
     try:
+        ref = reference(model_dir)  # while the job starts
         base = f"http://127.0.0.1:{http}"
-        ref = reference(model_dir)
         deadline = time.time() + TIMEOUT
-        while time.time() < deadline:
-            assert all(p.poll() is None for p in procs), "a process of the job exited early"
+        while True:  # jdet.LLM's generate and score, then the server's warm-up
+            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+            assert time.time() < deadline, f"the job did not serve within {TIMEOUT} s"
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        else:
-            raise AssertionError(f"the job's server did not come up in {TIMEOUT} s")
-        _, sps = requests()
+
+        got = dict(np.load(out))  # jdet.LLM over the two processes
+        assert len(got["unseeded"]) == 3
+        for k, v in ref.items():
+            if k != "unseeded":
+                assert np.array_equal(got[k], v), k
+        assert len(set(ref["tokens0"].tolist())) > 1 and (ref["logprobs1"] != 0).all()
+
+        _, sps = requests()  # the server over the two processes: request 1 again
         body = {"model": Path(model_dir).name, "prompt": list(PROMPTS[1]), "max_tokens": 6,
                 "temperature": 0.8, "seed": 3, "logprobs": 0, "ignore_eos": True}  # fmt: skip
         assert sps[1].seed == body["seed"] and sps[1].temperature == body["temperature"]
@@ -144,8 +120,9 @@ def test_served_over_two_processes_then_losing_one_ends_the_other(model_dir):
 
         procs[1].kill()  # process 1 dies; process 0 must notice and exit, not hang
         t0 = time.time()
-        out0 = procs[0].communicate(timeout=20)[0]
+        procs[0].wait(timeout=20)
         took = time.time() - t0
+        out0 = logs[0].read_text()
         assert procs[0].returncode == EXIT_PEER_LOST, out0[-3000:]
         assert "lost process 1 of 2" in out0
         assert took < 10, took
