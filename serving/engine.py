@@ -324,6 +324,12 @@ class Engine(FaultIsolation, Reporting, Scoring):
                 o.max_tokens is not None and seq.num_output_tokens + 2 > o.max_tokens
             ):
                 return None
+        if self.fault_injector is not None:  # tests: a batch build that raises goes the ordinary
+            try:  # way, whose `_prepare` ends the faulty request alone
+                for seq, _ in plan:
+                    self.fault_injector(seq)
+            except Exception:  # noqa: BLE001 - whose fault it was is found there
+                return None
         if not all(self.page_manager.grow(seq, n + 1) for seq, n in plan):
             return None
         nxt = [(seq, 1) for seq, _ in plan]
