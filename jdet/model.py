@@ -176,15 +176,11 @@ LAYER_WHILE_LOOP = 1
 # stream-captured again: 50-110 us of host time a layer on an H100, benchmarks/step_timeline.py),
 # so a Qwen3-0.6B step's dispatch held the host ~1.9 ms, longer than the device's 1.5 ms: the
 # engine was host-bound. Unrolled, the step is a few graphs, re-recorded only when a step's
-# buffers move, which the async engine hides behind the previous step. H100, engine step (async),
-# batch 1, ctx 1024 (BENCHMARKS runs 12, 13): Qwen3-0.6B "tp" 2.20 -> 1.69 ms, "none" 3.22 ->
-# 2.86 (one process each); alternated in one process, Llama-3-8B 6.52 -> 6.38 ms, Qwen3-8B 6.79
-# -> 6.74; one process each, Qwen3-4B 4.45 -> 4.38, Qwen3-1.7B 2.35 -> 2.26. The first steps'
-# compile grows (+3.5 s at 0.6B "tp"). Same kernels on the same operands: the same bits
-# (tests/jdet/test_invariance_gpu.py). 0: never, 1: always, 2: where a layer's weights are under
-# UNROLL_BELOW_BYTES (a function of the shapes only). Session 11 measured Llama-3-8B slower
-# unrolled (6.34 -> 6.45 ms, one process per setting) and made 2 the default; the alternated
-# comparison of run 13 reverses it.
+# buffers move, which the async engine hides behind the previous step (BENCHMARKS.md: the 0.6B
+# engine step 2.20 -> 1.69 ms on an H100; the 8B steps 1-2 % faster unrolled, alternated in one
+# process). Same kernels on the same operands: the same bits (tests/jdet/test_invariance_gpu.py).
+# 0: never, 1: always, 2: where a layer's weights are under UNROLL_BELOW_BYTES (a function of the
+# shapes only).
 LAYER_UNROLL_GPU = 1
 UNROLL_BELOW_BYTES = 128 << 20  # for LAYER_UNROLL_GPU = 2 (0.6B: 30 MiB a layer, 8B: 368-416)
 

@@ -148,7 +148,7 @@ def from_args(cls: type, a: argparse.Namespace) -> Any:
 def resolve_async(value: bool | str) -> bool:
     """EngineConfig.async_scheduling: "auto" (default) is on where the device runs the step
     asynchronously to the host: a GPU (the engine step then costs the device step + 0.2 ms
-    instead of + 2.1 ms, BENCHMARKS.md issue 11 run 4) and a CPU, where XLA runs the step on its
+    instead of + 2.1 ms on an H100) and a CPU, where XLA runs the step on its
     own thread, so on a machine with a core to spare the host's work for step n overlaps step
     n + 1 (embedded model, batch-1 "tp" greedy decode on the 2-core CI machine, one process,
     load 5-7: 99 -> 140 tok/s best of 4, median 90 -> 126; "none" unchanged, 6 tok/s). True/"on"

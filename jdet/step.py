@@ -87,15 +87,13 @@ CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
 
 # No XLA option that changes a step's bits may be set here: score functions run under their
 # caller's options (jdet.train nests them), so the sampler and score() would part. XLA's legacy CPU
-# emitters (`xla_cpu_use_fusion_emitters=False`, ~1/3 less compile) are such an option: session 9
-# compiled `jdet generate`'s steps with them, and its log-probs left an engine's after ~23 tokens
-# of a 128-token greedy run (found and removed in session 10). LLVM's optimization level
-# (`xla_backend_optimization_level`, XLA's default 3) is another (session 15): with the step at 0
-# (37 % less CPU for tests/jdet/test_golden.py) and jdet.train's forward nested at 3, train left
-# the sampler's log-probs (tests/jdet/test_train.py); with speculative rejection's program at 0 and
-# the step at 3, the rejection tests failed. At 1, those tests and the golden values held: equal
-# bits only where they were looked at, for 12-18 % less CPU and an 8-11 % slower batch-1 decode.
-# Not taken (BENCHMARKS.md, "CI time (issue 17), session 15").
+# emitters (`xla_cpu_use_fusion_emitters=False`, ~1/3 less compile) are such an option: steps
+# compiled with them gave log-probs that left an engine's after ~23 tokens of a 128-token greedy
+# run. LLVM's optimization level (`xla_backend_optimization_level`, XLA's default 3) is another:
+# with the step at 0 and jdet.train's forward nested at 3, train left the sampler's log-probs
+# (tests/jdet/test_train.py), and speculative rejection's program at 0 beside a step at 3 failed
+# the rejection tests. GPU_XLA_OPTIONS below removes a pass that changes only memory, never a
+# value.
 
 
 def _parse_options(env: str) -> dict:

@@ -40,7 +40,7 @@ Reduction plan (DESIGN §4; the split-KV scheme of seed 003):
   the loop shape is part of the plan, and the layouts keep it identical.
 - Fixed per model: ROWS (MMA M), block_kv, partition_size, num_warps — bits change if any does.
   How K/V and the page indices are loaded (paged_attention_kernels.py KV_GATHER_2D, PAGES_AHEAD,
-  STATIC_BLOCKS, on by default since issue 11's session 9: 2-D gathers, indices ahead of the
+  STATIC_BLOCKS, on by default: 2-D gathers, indices ahead of the
   loop, a static block loop whose extra blocks are the exact identities above) and the split
   kernel's pipeline depth are not part of the plan: no summed value or order changes (the
   knobs-off kernel gives the same bits, tests/pallas_kernels/test_attention_knobs_gpu.py).

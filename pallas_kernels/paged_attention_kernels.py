@@ -137,7 +137,7 @@ def _num_parts(lim, plan: _Plan):
     return jnp.maximum((tile_lim + plan.partition_size - 1) // plan.partition_size, 0)
 
 
-# Load-shape knobs of `_partition` (issue 11). Module-level ints so benchmarks/decode_bench.py
+# Load-shape knobs of `_partition`. Module-level ints so benchmarks/decode_bench.py
 # --variants can flip them per compile; each changes only how K/V and the page indices reach the
 # registers, never a value that is summed or the order of any sum, so the bits stay those of the
 # knobs-off kernel (CPU: interpret-mode tests; GPU: tests/pallas_kernels/test_attention_knobs_gpu.py

@@ -142,7 +142,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
             self.speculator.attach(self.runner, self.invariance)
         self.metrics = EngineMetrics(keep_raw=keep_raw_metrics)
         self.metrics.kv_pages_total.set(num_pages)
-        if self.speculator is not None:  # acceptance in /metrics (issue 13)
+        if self.speculator is not None:  # acceptance in /metrics
             self.metrics.registry.register(SpecCollector(self.speculator))
         self.eos_token_ids = set(self.cfg.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None:
@@ -255,7 +255,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
         if inflight is not None:
             plan, out = inflight  # dispatched by the previous call, from device-side tokens
         else:
-            if self.speculator is not None:  # issue 13: drafts before the budget is shared
+            if self.speculator is not None:  # drafts before the budget is shared
                 self.speculator.propose(self.scheduler.running)
             plan, out = self.scheduler.schedule(), None
             if self.speculator is not None:  # a model draft drafts for the verifies planned
@@ -278,7 +278,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
                         self.speculator.mirror(prepared)
             # sampled rows per entry, fixed now (`_report` may end a sequence meanwhile)
             nrows = [num_rows(s, n) for s, n in plan] if self.speculator else [1] * len(plan)
-            if plan and self.async_scheduling:  # speculating: only without drafts (issue 13)
+            if plan and self.async_scheduling:  # speculating: only without drafts
                 self._inflight = self._dispatch_ahead(plan, out)
             outputs = self._report()  # overlaps with the device
             if plan:
@@ -315,7 +315,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
         if sched.waiting or len(plan) != len(sched.running):
             return None
         if self.speculator is not None and not self.speculator.can_run_ahead(plan):
-            return None  # a verify's successor depends on how many drafts it accepts (issue 13)
+            return None  # a verify's successor depends on how many drafts it accepts
         for seq, n in plan:
             o = seq.options
             if seq.status is not Status.RUNNING or n != seq.num_uncomputed:

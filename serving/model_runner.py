@@ -240,7 +240,7 @@ class ModelRunner:
         sampled row per sequence, k + 1 for a speculative verify of k drafts
         (serving/speculative.py)."""
         T = sum(n for _, n in plan)
-        R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify (issue 13)
+        R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify
         Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
         self.shapes_seen.add((Tp, Sp, Pp))
         if T == len(plan) and sum(R) == T:  # one token, one sampled row each: a decode step
@@ -352,7 +352,7 @@ class ModelRunner:
             tokens = self._pad_tokens(tokens.shape[0], Tp)(tokens)
         rows = self._ahead_rows(plan, Sp)
         if rows is None:
-            return None  # penalties, masks, grammar read the previous token on the host (issue 19)
+            return None  # penalties, masks, grammar read the previous token on the host
         self.shapes_seen.add((Tp, Sp, Pp))
         batch = decode_batch([0] * S, [s.num_tokens for s, _ in plan],
                              [s.page_table for s, _ in plan], self.page_size,

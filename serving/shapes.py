@@ -17,13 +17,14 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
 So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
 function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
 attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
-at once: measured 0-3 % for a 512-page table against 128 at decode), but the "none" baseline
-gathers all Pmax pages per token, whose cost grows linearly.
-Padding cost, measured on an H100 with Qwen3-8B shapes (benchmarks/ready_bench.py; BENCHMARKS.md
-"Start-up and the bounded shape set"), step time at the bucket / at the exact shape: decode at
-batch 1, 8, 64 (ctx 1024): 1.04, 1.04, 1.00; a 300-token prefill chunk alone: 1.32 (T 300 -> 512,
-S 1 -> 256); 32 decodes + a 200-token chunk: 1.35, mostly the 256 sampled rows of S = T. A busy
-server fills steps to the token budget (T exact); few-sequence prefill is what pays.
+at once: measured 0-3 % for a 512-page table against 128 at decode; 2 % on the Llama-3-8B
+shape on an H200 at T 16 and 11 % at T 64), a step's page table travels to the device, and
+"none" off a GPU gathers all Pmax pages per token.
+Padding cost, measured on an H100 with Qwen3-8B shapes (benchmarks/ready_bench.py), step time at
+the bucket / at the exact shape: decode at batch 1, 8, 64 (ctx 1024): 1.04, 1.04, 1.00; a 300-token
+prefill chunk alone: 1.32 (T 300 -> 512, S 1 -> 256); 32 decodes + a 200-token chunk: 1.35, mostly
+the 256 sampled rows of S = T. A busy server fills steps to the token budget (T exact); few-
+sequence prefill is what pays.
 Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
 Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
 """
