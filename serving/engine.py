@@ -36,7 +36,7 @@ from jdet.plan import Plan
 from jdet.settings import EngineConfig, resolve_async
 from jdet.spec_config import SpeculativeConfig
 from serving.faults import EngineStepError, FaultIsolation
-from serving.memory import check_utilization, device_limit, page_bytes_per_device, pool_pages
+from serving.memory import check_utilization, device_limit, size_pool
 from serving.metrics import EngineMetrics, SpecCollector
 from serving.model_runner import ModelRunner
 from serving.outputs import Reporting, RequestUpdate
@@ -103,7 +103,6 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.page_size = page_size
         self.tp = tp
         self.speculative = SpeculativeConfig.from_any(speculative)
-        rows_per_seq = 1 + (self.speculative.num_tokens if self.speculative else 0)
         self.runner = ModelRunner(
             model,
             invariance=invariance,
@@ -118,11 +117,14 @@ class Engine(FaultIsolation, Reporting, Scoring):
             step_fn=step_fn,
             tp=tp,
             sharded=sharded,
-            rows_per_seq=rows_per_seq,
+            rows_per_seq=1 + (self.speculative.num_tokens if self.speculative else 0),
         )
-        self.memory_budget = None  # serving/memory.py Budget, where the pool was sized from it
-        if sized:
-            num_pages = self._size_pool(util, max_model_len is None, max_num_batched_tokens, cc)
+        self.memory_budget = None  # serving/memory.py Budget where the pool was sized from it
+        if sized:  # the pool is allocated here, once the weights are placed
+            num_pages, self.max_model_len, self.memory_budget = size_pool(
+                self.runner, util, self.max_model_len, may_shrink=max_model_len is None,
+                step_tokens=max_num_batched_tokens, exec_dir=cc.exec_dir(),
+            )  # fmt: skip
         self.speculator = None  # speculative decoding: drafts + acceptance
         if self.speculative is not None:
             self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
@@ -161,33 +163,6 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.fault_injector: Callable[[Sequence], None] | None = None
 
     # ------------------------------------------------------------------ requests
-
-    def _size_pool(self, util: float, may_shrink: bool, step_tokens: int, cc: Any) -> int:
-        """Pages of the pool on a device with a memory limit (serving/memory.py): allocate it, or
-        raise naming the memory terms and the settings to change. `may_shrink`: max_model_len
-        was not set, so a pool shorter than the model's own length shortens it instead. `cc`:
-        jdet.compile_cache (the peak's cache lives beside the executables)."""
-        num_pages, budget = pool_pages(self.runner, util, cc.exec_dir())
-        self.memory_budget = budget
-        if num_pages > 0:
-            num_pages = self.runner.allocate_kv_to_fit(num_pages, budget.peak)
-        need = -(-self.max_model_len // self.page_size)
-        if num_pages < need:
-            fits = num_pages * self.page_size
-            if not may_shrink or fits < step_tokens:
-                page_mib = page_bytes_per_device(self.runner) / (1 << 20)
-                raise ValueError(
-                    f"the model does not fit: {budget.describe()}, which holds {fits} tokens of "
-                    f"KV cache ({page_mib:.2f} MiB a {self.page_size}-token page) but one "
-                    f"sequence of max_model_len={self.max_model_len} needs {need} pages"
-                    + ("" if may_shrink else f" and a step {step_tokens} tokens")
-                    + "; lower max_model_len or max_num_batched_tokens, raise "
-                    "gpu_memory_utilization, or split the model over more devices (tp); JAX's own "
-                    "limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (default 0.75)"
-                )
-            self.max_model_len = fits
-            self.runner.set_max_model_len(fits)
-        return num_pages
 
     def add_request(
         self,

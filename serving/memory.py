@@ -140,3 +140,72 @@ def pool_pages(runner: Any, utilization: float, exec_dir: Path | None) -> tuple[
     limit, in_use = device_limit()  # after the compile: nothing stays, but read it as it is
     budget = Budget(limit, utilization, in_use, peak, HEADROOM_BYTES)
     return max(0, budget.for_pool // page_bytes_per_device(runner)), budget
+
+
+def size_pool(
+    runner: Any, utilization: float, max_model_len: int, *, may_shrink: bool, step_tokens: int,
+    exec_dir: Path | None,
+) -> tuple[int, int, Budget]:  # fmt: skip
+    """Size and allocate the runner's pool (module docstring): (pages, max_model_len, budget).
+    `may_shrink`: max_model_len was not set, so a pool shorter than the model's own length
+    shortens it instead of failing; a pool that cannot hold one sequence of max_model_len (or,
+    shrinking, one step's `step_tokens`) raises a ValueError naming each term and the settings
+    to change."""
+    num_pages, budget = pool_pages(runner, utilization, exec_dir)
+    if num_pages > 0:
+        num_pages = allocate_to_fit(runner, num_pages, budget.peak)
+    page_size = runner.page_size
+    need = -(-max_model_len // page_size)
+    if num_pages < need:
+        fits = num_pages * page_size
+        if not may_shrink or fits < step_tokens:
+            page_mib = page_bytes_per_device(runner) / (1 << 20)
+            raise ValueError(
+                f"the model does not fit: {budget.describe()}, which holds {fits} tokens of KV "
+                f"cache ({page_mib:.2f} MiB a {page_size}-token page) but one sequence of "
+                f"max_model_len={max_model_len} needs {need} pages"
+                + ("" if may_shrink else f" and a step {step_tokens} tokens")
+                + "; lower max_model_len or max_num_batched_tokens, raise "
+                "gpu_memory_utilization, or split the model over more devices (tp); JAX's own "
+                "limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (default 0.75)"
+            )
+        max_model_len = fits
+        runner.set_max_model_len(fits)
+    return num_pages, max_model_len, budget
+
+
+def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
+    """`runner.allocate_kv` of at most `num_pages` pages such that the device still has a free
+    block of `keep_free` bytes (the step's working memory) beside it; returns the pages.
+
+    Why not just `num_pages`: the pool is two arrays of up to tens of GiB each, and each needs
+    one contiguous block of the device allocator. Bytes that are free in total may be cut into
+    smaller holes by what was placed and freed before (the weights' preparation), and a failed
+    allocation is reported only when the step first reads the array. So each try is waited for,
+    and a pool that does not fit, or leaves no block for the step, is freed and tried 10 %
+    smaller."""
+    for _ in range(40):
+        try:
+            runner.allocate_kv(num_pages)
+            jax.block_until_ready(runner.kv)
+            free = largest_free_block()
+            if free is None or free >= keep_free:
+                return num_pages
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+        runner.kv = None
+        num_pages = int(num_pages * 0.9)
+        if num_pages < 1:
+            break
+    raise MemoryError(
+        f"no KV pool fits beside the weights with a {keep_free / GiB:.2f} GiB block left for "
+        f"the step: the device's free memory is too fragmented or too small"
+    )
+
+
+def largest_free_block() -> int | None:
+    """The device allocator's largest free block in bytes, where it reports one (a GPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("largest_free_block_bytes")
+    return int(free) if free is not None else None

@@ -150,35 +150,6 @@ class ModelRunner:
         self.kv = self._init_kv(num_pages)
         self.num_pages = num_pages
 
-    def allocate_kv_to_fit(self, num_pages: int, keep_free: int) -> int:
-        """`allocate_kv` of at most `num_pages` pages such that the device still has a free
-        block of `keep_free` bytes (the step's working memory) beside it; returns the pages.
-
-        Why not just `num_pages`: the pool is two arrays of up to tens of GiB each, and each
-        needs one contiguous block of the device allocator. Bytes that are free in total may be
-        cut into smaller holes by what was placed and freed before (the weights' preparation),
-        and an allocation that fails reports it only when the step first reads the array. So
-        each try is waited for, and a pool that does not fit, or leaves no block for the step,
-        is freed and tried 10 % smaller."""
-        for _ in range(40):
-            try:
-                self.allocate_kv(num_pages)
-                jax.block_until_ready(self.kv)
-                free = _largest_free_block()
-                if free is None or free >= keep_free:
-                    return num_pages
-            except jax.errors.JaxRuntimeError as e:
-                if "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
-            self.kv = None
-            num_pages = int(num_pages * 0.9)
-            if num_pages < 1:
-                break
-        raise MemoryError(
-            f"no KV pool fits beside the weights with a {keep_free / 2**30:.2f} GiB block "
-            f"left for the step: the device's free memory is too fragmented or too small"
-        )
-
     def abstract_kv(self, num_pages: int) -> dict:
         """The pool of `num_pages` pages as shapes and placements only (nothing allocated):
         what a compile for memory analysis takes (serving/memory.py)."""
@@ -442,10 +413,3 @@ class ModelRunner:
         for a in arrays:
             a.copy_to_host_async()
         return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}
-
-
-def _largest_free_block() -> int | None:
-    """The device allocator's largest free block in bytes, where it reports one (a GPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    free = stats.get("largest_free_block_bytes")
-    return int(free) if free is not None else None
