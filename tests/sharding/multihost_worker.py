@@ -1,7 +1,7 @@
 """One process of test_multihost's two-process job: `jdet.LLM` at TP 8 over both processes'
-4 CPU devices each, generate and score (process 0 writes what it got to an .npz), then the same
-job serves HTTP (`jdet serve`'s entry point: process 0 serves on HTTP_PORT, process 1 follows)
-until it is stopped.
+4 CPU devices each, generate and score (each process writes what it got to OUT.PID.npz), then
+the same job serves HTTP (`jdet serve`'s entry point: process 0 serves on HTTP_PORT, process 1
+follows) until it is stopped.
 
 usage: python multihost_worker.py PORT PROCESS_ID MODEL_DIR OUT HTTP_PORT
 """
@@ -49,8 +49,7 @@ def main() -> None:
     job = dict(num_processes=2, process_id=int(pid), coordinator_address=f"127.0.0.1:{port}")
     llm = jdet.LLM(model_dir, dtype="float32", tp=8, **SHAPES, **job)
     got = run(llm)
-    if job["process_id"] == 0:
-        np.savez(out, **got)
+    np.savez(f"{out}.{pid}.npz", **got)  # every process: each reads the replicated outputs
     # the same job, now as a server (its steps are compiled already: the same shapes)
     serve(model_dir, port=int(http), dtype="float32", log_level="warning", tp=8, **SHAPES, **job)
 
