@@ -101,10 +101,11 @@ def moe_block(
     # each slot's token: slot_row // k (the empty slots' sentinel T*k maps to the zero row T)
     hz = jnp.concatenate([h, jnp.zeros((1, d), h.dtype)])
     xs = hz[tiles.slot_row // k]
-    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles)
-    up = ops.grouped_matmul(xs, lp["expert_up"], tiles)
+    live = cfg.moe_intermediate_size  # past it the plan's padding: zeros
+    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles, live)
+    up = ops.grouped_matmul(xs, lp["expert_up"], tiles, live)
     act = swiglu_act(gate, up, h.dtype)
-    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles)  # [T*k, D] in row order
+    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles, live)  # [T*k, D] in row order
     return combine_slots(w, y.reshape(t, k, d), h.dtype, ops.invariant)
 
 

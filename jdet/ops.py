@@ -218,22 +218,32 @@ class Ops:
         """The grouped layout of rows with group (expert) `ids` [R], in the kernel's tiles."""
         return gm.group_tiles(ids, num_groups, gm.tile_rows() if self.invariant else 8)
 
-    def grouped_matmul(self, xs: jax.Array, w: jax.Array, tiles: Any) -> jax.Array:
+    def grouped_matmul(
+        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None
+    ) -> jax.Array:
         """Column-parallel grouped projection xs[P, in] @ w[group][in, out] -> [P, out]: BIO in
-        the invariant modes, XLA's `ragged_dot` in "none"."""
+        the invariant modes, XLA's `ragged_dot` in "none". `live`: the true width of w's out
+        dimension when `pad_params` padded it with zeros; on one shard the GPU kernel then skips
+        the zero blocks (the same bits)."""
         if self.invariant:
-            return gm.grouped_matmul(xs, w, tiles)
+            live_n = live if self.row_shards == 1 and live and live < w.shape[2] else None
+            return gm.grouped_matmul(xs, w, tiles, live_n=live_n)
         return gm.grouped_matmul_xla(xs, w, tiles)
 
-    def grouped_row_matmul(self, xs: jax.Array, w: jax.Array, tiles: Any) -> jax.Array:
+    def grouped_row_matmul(
+        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None
+    ) -> jax.Array:
         """Row-parallel grouped projection (the experts' down_proj), back in row order [R, out]
         in xs's dtype: the tree in "tp"; under TP each device's f32 partial (its subtree in
-        "tp") is combined across devices per row by `row_reduce` before the cast."""
+        "tp") is combined across devices per row by `row_reduce` before the cast. `live`: as
+        `grouped_matmul`'s, for w's in dimension."""
         f32 = jnp.float32
         n = self.row_shards
+        live_k = live if n == 1 and live and live < w.shape[1] else None
         if self.invariance == "tp":
             k_total = w.shape[1] * n
-            part = gm.grouped_tree_partial(xs, w, tiles, k_total=k_total, num_shards=n)
+            part = gm.grouped_tree_partial(xs, w, tiles, k_total=k_total, num_shards=n,
+                                           live_k=live_k)  # fmt: skip
         elif self.invariance == "batch":
             part = gm.grouped_matmul(xs, w, tiles, f32)
         else:

@@ -158,14 +158,18 @@ def _grouped_xla(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
 
 # -- the Pallas kernel -----------------------------------------------------------------------------
 def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leaves: int,
-                    precision):  # fmt: skip
+                    precision, live_tiles: int, live_nb: int):  # fmt: skip
     t = pl.program_id(0)
     g = tg_ref[t]
     bk = cfg.block_k
+    run = (g >= 0) & (pl.program_id(1) < live_nb)
 
-    @pl.when(g >= 0)
+    @pl.when(run)
     def _run():
         def leaf(first: int) -> jax.Array:
+            # K tiles past live_tiles hold zero weights: an exact zero stands in for their sum
+            n = max(0, min(k_first, live_tiles - first))
+
             def body(i, acc):
                 start = pl.multiple_of((first + i) * bk, bk)
                 a = x_ref[:, pl.ds(start, bk)]
@@ -174,7 +178,7 @@ def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leave
                                      precision=precision)  # fmt: skip
 
             acc0 = jnp.zeros((x_ref.shape[0], w_ref.shape[2]), jnp.float32)
-            return lax.fori_loop(0, k_first, body, acc0)
+            return lax.fori_loop(0, n, body, acc0) if n else acc0
 
         # the tree kernel's binary counter: leaves added pairwise, lower K on the left
         stack: list[tuple[int, jax.Array]] = []
@@ -186,13 +190,15 @@ def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leave
             stack.append((height, node))
         o_ref[...] = stack[0][1].astype(o_ref.dtype)
 
-    @pl.when(g < 0)
+    @pl.when(jnp.logical_not(run))
     def _skip():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
-def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
+@functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype", "live_k",
+                                             "live_n"))
+def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
+                    live_k: int | None = None, live_n: int | None = None):  # fmt: skip
     dtype = jnp.promote_types(xs.dtype, w.dtype)
     xs, w = xs.astype(dtype), w.astype(dtype)
     cfg = _mm.tile_config(leaf_k * num_leaves, w.shape[2], dtype)
@@ -203,8 +209,11 @@ def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtyp
     w = _mm._pad_to(_mm._pad_to(w, 1, kp), 2, cfg.block_n)
     nb = w.shape[2] // cfg.block_n
     bm = p // tile_group.shape[0]
+    live_tiles = -(-(kp if live_k is None else live_k) // cfg.block_k)
+    live_nb = -(-(nb * cfg.block_n if live_n is None else live_n) // cfg.block_n)
     kernel = functools.partial(_grouped_kernel, cfg=cfg, k_first=k_first, num_leaves=num_leaves,
-                               precision=_mm._precision(dtype))  # fmt: skip
+                               precision=_mm._precision(dtype), live_tiles=live_tiles,
+                               live_nb=live_nb)  # fmt: skip
     interpret = _platform.interpret_default()
     compiler_params = None
     if not interpret:
@@ -238,8 +247,12 @@ def _check(xs: jax.Array, w: jax.Array, tiles: GroupedTiles) -> jnp.dtype:
     return jnp.promote_types(xs.dtype, w.dtype)
 
 
-def _subtree(xs, w, tiles, *, leaf_k: int, num_leaves: int, out_dtype, backend):
-    """num_leaves leaves of leaf_k columns of K per tile, combined in the tree (module plan)."""
+def _subtree(xs, w, tiles, *, leaf_k: int, num_leaves: int, out_dtype, backend, live_k=None,
+             live_n=None):  # fmt: skip
+    """num_leaves leaves of leaf_k columns of K per tile, combined in the tree (module plan).
+    `live_k` / `live_n`: w's rows / columns past them are zero (jdet/plan.py pad_params' FFN
+    padding); the Pallas kernel then neither reads nor multiplies the K tiles and n blocks wholly
+    past them (an exact zero in their place: the same sums). The CPU path computes them."""
     if _mm.resolve_backend(backend) == "xla":
         if tiles.block_m != tile_rows("xla"):
             raise ValueError(f"the CPU path's tiles have {tile_rows('xla')} rows, not "
@@ -248,27 +261,32 @@ def _subtree(xs, w, tiles, *, leaf_k: int, num_leaves: int, out_dtype, backend):
                             out_dtype=jnp.dtype(out_dtype))  # fmt: skip
     # no Mosaic grouped kernel (yet): the portable kernel on every GPU
     return _grouped_pallas(xs, w, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
-                           out_dtype=jnp.dtype(out_dtype))  # fmt: skip
+                           out_dtype=jnp.dtype(out_dtype), live_k=live_k,
+                           live_n=live_n)  # fmt: skip
 
 
-def grouped_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend: str | None = None):
+def grouped_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend: str | None = None,
+                   live_n: int | None = None):  # fmt: skip
     """BIO: xs[P, K] (the grouped layout, `gather_rows`) @ w[group] [K, N] per tile -> [P, N];
-    K reduced whole as one leaf (f32), cast to out_dtype (default: the operands' dtype)."""
+    K reduced whole as one leaf (f32), cast to out_dtype (default: the operands' dtype).
+    `live_n`: w's columns past it are zero (`_subtree`)."""
     dtype = _check(xs, w, tiles)
     return _subtree(xs, w, tiles, leaf_k=xs.shape[1], num_leaves=1, backend=backend,
-                    out_dtype=out_dtype or dtype)  # fmt: skip
+                    out_dtype=out_dtype or dtype, live_n=live_n)  # fmt: skip
 
 
-def grouped_tree_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend=None):
-    """TBIK: as `grouped_matmul`, K reduced in the leaves and tree of `tree_plan(K)`."""
+def grouped_tree_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend=None,
+                        live_k: int | None = None):  # fmt: skip
+    """TBIK: as `grouped_matmul`, K reduced in the leaves and tree of `tree_plan(K)`. `live_k`:
+    w's rows past it are zero (`_subtree`)."""
     dtype = _check(xs, w, tiles)
     plan = tree_plan(xs.shape[1], dtype)
     return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves,
-                    out_dtype=out_dtype or dtype, backend=backend)  # fmt: skip
+                    out_dtype=out_dtype or dtype, backend=backend, live_k=live_k)  # fmt: skip
 
 
 def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards: int,
-                         backend=None):  # fmt: skip
+                         backend=None, live_k: int | None = None):  # fmt: skip
     """f32 subtree of one of `num_shards` contiguous K shards (xs[P, k_total / C], w[G,
     k_total / C, N]): `combine_tree` over the shards' results (the tree all-reduce) is
     `grouped_tree_matmul`'s f32 result bitwise. The shard index is not needed: every shard's
@@ -287,7 +305,7 @@ def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards
     if xs.shape[1] != k_total // c:
         raise ValueError(f"shard has K={xs.shape[1]}, expected {k_total} / {c}")
     return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves // c,
-                    out_dtype=jnp.float32, backend=backend)  # fmt: skip
+                    out_dtype=jnp.float32, backend=backend, live_k=live_k)  # fmt: skip
 
 
 def _slot_groups(tiles: GroupedTiles) -> jax.Array:

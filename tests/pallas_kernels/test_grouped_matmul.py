@@ -118,6 +118,22 @@ def test_shard_subtrees_combine_to_the_full_tree(backend, c):
     assert np.array_equal(np.asarray(combine_tree(parts)), np.asarray(full))
 
 
+def test_pallas_kernel_skips_a_zero_tail_with_the_same_bits():
+    """`live_n` / `live_k` (the plan's zero FFN padding): blocks past them are not read, and
+    the products are bitwise those of the whole padded weight."""
+    _, _, x, ids = _probe_and_crowd()
+    tiles = gm.group_tiles(jnp.asarray(ids, jnp.int32), G, gm.tile_rows("pallas"))
+    xs = gm.gather_rows(x, tiles)
+    w = _rand(6, (G, K, 300)).at[:, :, 136:].set(0.0)  # columns past 136: 2 of 3 n blocks live
+    full = gm.grouped_matmul(xs, w, tiles, backend="pallas")
+    assert np.array_equal(np.asarray(gm.grouped_matmul(xs, w, tiles, backend="pallas",
+                                                       live_n=136)), np.asarray(full))  # fmt: skip
+    wk = W.at[:, 100:].set(0.0)  # rows past 100: tiles 4.. of the 8 leaves are zero
+    full = gm.grouped_tree_matmul(xs, wk, tiles, backend="pallas")
+    skip = gm.grouped_tree_matmul(xs, wk, tiles, backend="pallas", live_k=100)
+    assert np.array_equal(np.asarray(skip), np.asarray(full))
+
+
 def test_xla_ragged_dot_baseline_matches_the_reference():
     _, _, x, ids = _probe_and_crowd()
     tiles = gm.group_tiles(jnp.asarray(ids, jnp.int32), G, 8)
