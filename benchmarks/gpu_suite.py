@@ -26,6 +26,7 @@ PARTS = {
     "tp": "benchmarks.tp_bench",
     "tiles": "benchmarks.tile_probe",
     "decode": "benchmarks.decode_bench",
+    "moe": "benchmarks.moe_bench",
 }
 
 

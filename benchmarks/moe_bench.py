@@ -14,6 +14,7 @@ for B > 1 the expected number of distinct experts under uniform routing, E (1 - 
 is those bytes over the copy bandwidth measured in this run (decode_bench.ceilings).
 
     PYTHONPATH=. python -m benchmarks.moe_bench --out OUT [--smoke]
+    PYTHONPATH=. python -m benchmarks.gpu_suite --only moe
 Writes `moe_bench.json` after every part (a run cut short keeps what it measured).
 """
 
@@ -172,7 +173,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(out_dir: str = "out", argv: list[str] | None = None) -> dict:
+    """benchmarks.gpu_suite's entry point ("moe"): the rows as a dict, also in moe_bench.json."""
+    return main(["--out", str(out_dir), *(argv or [])], report=False)
+
+
+def main(argv: list[str] | None = None, report: bool = True) -> Any:
     a = parser().parse_args(argv)
     a.batches = [int(b) for b in str(a.batches).split(",")]
     a.modes = a.modes.split(",")
@@ -198,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(a.shape, a.ctx + a.steps + 64)
     jdet_rows(model, a, ceil, res, save)
     save()
+    if not report:
+        return res
     for row in res["rows"]:
-        print(json.dumps({k: v for k, v in row.items() if k != "error"} if "error" not in row
-                         else row), flush=True)  # fmt: skip
+        print(json.dumps(row), flush=True)
     return 0
 
 
