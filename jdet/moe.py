@@ -15,7 +15,9 @@ Per token t of h[T, D] (the post-attention norm's output), every step alike:
    reduction plan is fixed by the weight shapes (a row's bits do not depend on how many rows its
    expert serves): gate and up (`Ops.grouped_matmul`, BIO), SwiGLU, down (`Ops.grouped_row_matmul`:
    the TBIK tree in "tp", whose leaves a TP shard of the experts' F holds and the tree all-reduce
-   finishes, per (token, slot) row), rounded to the model's dtype;
+   finishes, per (token, slot) row), rounded to the model's dtype. The step's padding rows
+   (slot -1, and the rows past T) are left out of the layout: they take no tile and read no
+   expert;
 5. out[t] = sum over slots j = 0..k-1, in that order (the tie-broken top-k order, never the order
    rows arrived at an expert), of w[t, j] * y[t, j] in f32, rounded once. Each product is formed
    from exact partial products (`_exact_product`), so an FMA contraction XLA's CPU backend may
