@@ -59,6 +59,7 @@ HEALTH_INTERVAL = 1.0  # seconds between health checks of each replica
 HEALTH_MISSES = 5  # unanswered health checks in a row before a running replica counts as down
 HEALTH_TIMEOUT = 10.0  # seconds a replica has to answer /health
 REPLICA_STOP_TIMEOUT = 30.0  # seconds a replica gets to drain after SIGTERM
+DISCONNECT_POLL = 0.5  # seconds between checks that a waiting client is still there
 RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a replica that exited
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
 
@@ -266,6 +267,10 @@ class ReplicaLost(Exception):
     """The replica closed the connection or could not be reached (died, restarting)."""
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the answer was complete."""
+
+
 @dataclasses.dataclass
 class RouterStats:
     retries: int = 0
@@ -321,7 +326,9 @@ def build_router(
                 return JSONResponse(err.body(), status_code=503)
             tried.append(r.index)
             try:
-                return await forward(r, request.url.path, headers, body, streaming)
+                return await forward(r, request, headers, body, streaming)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
             except ReplicaLost as e:
                 r.failed += 1
                 if not r.alive:  # exited: not tried again until restarted and healthy
@@ -329,15 +336,18 @@ def build_router(
                 stats.retries += 1
                 log.warning("replica %d lost a request (%s); retrying elsewhere", r.index, e)
 
-    async def forward(r: Replica, path: str, headers: dict, body: bytes,
+    async def forward(r: Replica, request: Request, headers: dict, body: bytes,
                       streaming: bool) -> Response:  # fmt: skip
+        path = request.url.path
         req = client.build_request("POST", r.base + path, headers=headers, content=body)
         r.in_flight += 1
         r.routed += 1
         try:
-            resp = await client.send(req, stream=True)
-        except httpx.TransportError as e:
+            resp = await unless_gone(client.send(req, stream=True), request)
+        except (httpx.TransportError, ClientGone) as e:
             r.in_flight -= 1
+            if isinstance(e, ClientGone):
+                raise
             raise ReplicaLost(type(e).__name__) from e
         if resp.status_code == 503:  # warming up or shutting down: another replica may serve
             await resp.aclose()
@@ -346,7 +356,7 @@ def build_router(
         keep = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
         if not streaming:
             try:
-                content = await resp.aread()
+                content = await unless_gone(resp.aread(), request)
             except httpx.TransportError as e:
                 raise ReplicaLost(type(e).__name__) from e
             finally:
@@ -355,10 +365,12 @@ def build_router(
             return Response(content, status_code=resp.status_code, headers=keep)
         chunks = resp.aiter_raw()
         try:  # the first bytes before answering, so a replica lost before them is retried
-            first = await anext(chunks, b"")
-        except httpx.TransportError as e:
+            first = await unless_gone(anext(chunks, b""), request)
+        except (httpx.TransportError, ClientGone) as e:
             await resp.aclose()
             r.in_flight -= 1
+            if isinstance(e, ClientGone):
+                raise
             raise ReplicaLost(type(e).__name__) from e
 
         async def rest() -> AsyncIterator[bytes]:
@@ -402,7 +414,8 @@ def build_router(
             "status": status,
             "system_fingerprint": replicas.fingerprint,
             "replicas": [
-                {"replica": r.index, "status": r.status, "ready": r.ready,
+                {"replica": r.index, "status": r.status if r.alive else "exited",
+                 "ready": r.ready and r.alive,
                  "pid": r.proc.pid if r.proc else None, "port": r.port, "in_flight": r.in_flight,
                  "restarts": r.restarts, "system_fingerprint": r.fingerprint}  # fmt: skip
                 for r in rs
@@ -438,6 +451,22 @@ def pick(replicas: ReplicaSet, order: list[int], tried: list[int]) -> Replica | 
         return None
     least = min(cands, key=lambda r: r.in_flight)
     return least if cands[0].in_flight > least.in_flight + BALANCE_SLACK else cands[0]
+
+
+async def unless_gone(aw: Any, request: Request) -> Any:
+    """`await aw` (a step of the exchange with a replica), unless the client goes away first:
+    then it is cancelled, which closes the replica's connection, so the replica aborts the
+    request (its server watches for that) instead of generating for nobody; ClientGone."""
+    task = asyncio.ensure_future(aw)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+            raise ClientGone
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving import router
@@ -27,9 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fake_replica(fingerprint: str, *, break_stream: bool = False) -> FastAPI:
+def fake_replica(fingerprint: str, *, break_stream: bool = False, seen: dict | None = None
+                 ) -> FastAPI:  # fmt: skip
     """Answers like a jdet server, naming its fingerprint (`who`) in every body; with
-    `break_stream` a stream dies after its first event."""
+    `break_stream` a stream dies after its first event. The prompt "slow" is answered after
+    10 s, unless its client goes first (then `seen["gone"]` is set)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -37,7 +39,14 @@ def fake_replica(fingerprint: str, *, break_stream: bool = False) -> FastAPI:
         return JSONResponse({"status": "ok", "system_fingerprint": fingerprint})
 
     @app.post("/v1/completions")
-    async def completions(body: dict) -> object:
+    async def completions(body: dict, request: Request) -> object:
+        if body["prompt"] == "slow":
+            for _ in range(200):
+                if await request.is_disconnected():
+                    seen["gone"] = True
+                    return {}
+                await asyncio.sleep(0.05)
+            return {"who": fingerprint}
         if not body.get("stream"):
             return {"who": fingerprint, "prompt": body["prompt"]}
 
@@ -92,9 +101,10 @@ def wait_health(base: str, want: str) -> dict:
 
 def test_router_retries_skips_and_reports(fast_health):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    seen: dict = {}
     with (
-        Served(fake_replica("fp_a")) as a,
-        Served(fake_replica("fp_a", break_stream=True)) as b,
+        Served(fake_replica("fp_a", seen=seen)) as a,
+        Served(fake_replica("fp_a", break_stream=True, seen=seen)) as b,
         Served(fake_replica("fp_other")) as c,
     ):
         urls = [a, b, c, dead]
@@ -132,3 +142,12 @@ def test_router_retries_skips_and_reports(fast_health):
                 events = [x for x in s.iter_lines() if x.startswith("data: ")]
             assert json.loads(events[0][6:]) == {"who": "fp_a"}
             assert json.loads(events[-1][6:])["error"]["code"] == "replica_lost"
+
+            # a client that gives up: the router closes its request to the replica, which
+            # then stops working for nobody
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + "/v1/completions", json={"prompt": "slow"}, timeout=1)
+            deadline = time.time() + 5
+            while "gone" not in seen:
+                assert time.time() < deadline, "the replica never saw the client go"
+                time.sleep(0.05)
