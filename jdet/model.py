@@ -11,6 +11,11 @@ SwiGLU MLP (or, in a mixture-of-experts model's sparse layers, the routed expert
 whose counter is the layer in the invariant modes, a `lax.scan` in "none"), with the cache in
 the carry so XLA updates it in place. Head counts are read from weight shapes, so the same code
 runs on a tensor-parallel shard. All reductions go through `ops` (jdet/ops.py).
+
+A mixture-of-experts model whose dense and expert layers are mixed keeps this one loop: its FFN
+weights are stacked per kind (experts over the sparse layers, the dense MLP over the others),
+taken out of the loop's weights, and each layer picks its kind from a static table (jdet/moe.py
+says why one loop with a per-layer `lax.cond` rather than runs of same-kind layers).
 """
 
 from __future__ import annotations
