@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -108,7 +109,8 @@ class Replica:
     devices: str | None  # CUDA_VISIBLE_DEVICES for it (None: inherit)
     url: str | None = None
     proc: subprocess.Popen | None = None
-    ready: bool = False
+    ready: bool = False  # healthy and agreeing with the others' fingerprint: gets requests
+    healthy: bool = False  # its last /health said 200
     warm: bool = False  # passed a health check since it was (re)started
     status: str = "starting"
     fingerprint: str | None = None
@@ -159,7 +161,7 @@ class ReplicaSet:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = replica_devices(n, int(serve_kwargs.get("tp", 1)), visible)
         self.replicas = [Replica(i, free_port(), gpus[i]) for i in range(n)]
-        self.fingerprint: str | None = None  # the first ready replica's; others must match
+        self.fingerprint: str | None = None  # the replicas' common one (`decide`)
         self.stopping = False
 
     def command(self, r: Replica) -> list[str]:
@@ -173,7 +175,7 @@ class ReplicaSet:
         if self.api_key:
             env["JDET_API_KEY"] = self.api_key  # not on the command line, which ps shows
         r.proc = subprocess.Popen(self.command(r), env=env)
-        r.ready, r.warm, r.status, r.misses = False, False, "starting", 0
+        r.ready, r.healthy, r.warm, r.status, r.misses = False, False, False, "starting", 0
         log.info("replica %d: started (pid %d, port %d)", r.index, r.proc.pid, r.port)
 
     @classmethod
@@ -203,7 +205,7 @@ class ReplicaSet:
                     self.start(r)
                 elif r.proc is not None and not r.alive and not self.stopping:
                     if r.status != "exited":
-                        r.ready, r.status = False, "exited"
+                        r.ready, r.healthy, r.status = False, False, "exited"
                         r.restarts += 1
                         wait = min(RESTART_BACKOFF[0] * 2 ** (r.restarts - 1), RESTART_BACKOFF[1])
                         r.next_start = time.monotonic() + wait
@@ -212,9 +214,11 @@ class ReplicaSet:
                     elif time.monotonic() >= r.next_start:
                         self.start(r)
             await asyncio.gather(*(self.check(r, client) for r in self.replicas if r.alive))
+            self.decide()
             await asyncio.sleep(HEALTH_INTERVAL)
 
     async def check(self, r: Replica, client: httpx.AsyncClient) -> None:
+        """One /health of `r`: whether it answers 200 and with which fingerprint."""
         try:
             resp = await client.get(r.base + "/health", timeout=HEALTH_TIMEOUT)
             body = resp.json()
@@ -222,21 +226,30 @@ class ReplicaSet:
             # a busy replica may answer late; a dead one is caught by its exit or a lost request
             r.misses += 1
             if r.status == "starting" or r.misses >= HEALTH_MISSES:
-                r.ready = False
+                r.healthy = False
                 r.status = "starting" if r.status == "starting" else "unreachable"
             return
         r.misses = 0
-        fp = body.get("system_fingerprint")
-        if resp.status_code == 200 and fp is not None:
-            if self.fingerprint is None:
-                self.fingerprint = fp
-            if fp != self.fingerprint:  # another model, plan or device kind: other bits
-                r.ready, r.status = False, f"fingerprint {fp} differs from {self.fingerprint}"
-                return
-        r.fingerprint = fp
-        r.ready = resp.status_code == 200
-        r.warm = r.warm or r.ready
+        r.fingerprint = body.get("system_fingerprint")
+        r.healthy = resp.status_code == 200 and r.fingerprint is not None
         r.status = body.get("status", str(resp.status_code))
+
+    def decide(self) -> None:
+        """Which replicas serve: the healthy ones that report the fingerprint most healthy
+        replicas report (ties: the lowest replica's). A replica with another fingerprint (other
+        weights, settings, versions or device kind) would give other bits: it gets nothing."""
+        fps = [r.fingerprint for r in self.replicas if r.healthy]
+        if fps:
+            counts = Counter(fps)
+            ref = next(f for f in fps if counts[f] == max(counts.values()))
+            if self.fingerprint not in (None, ref):
+                log.warning("replicas now agree on fingerprint %s, not %s", ref, self.fingerprint)
+            self.fingerprint = ref
+        for r in self.replicas:
+            r.ready = r.healthy and r.fingerprint == self.fingerprint
+            r.warm = r.warm or r.ready
+            if r.healthy and not r.ready:
+                r.status = f"fingerprint {r.fingerprint} differs from {self.fingerprint}"
 
     def serving(self) -> list[int]:
         return [r.index for r in self.replicas if r.ready and r.alive]
@@ -332,7 +345,7 @@ def build_router(
             except ReplicaLost as e:
                 r.failed += 1
                 if not r.alive:  # exited: not tried again until restarted and healthy
-                    r.ready = False
+                    r.ready = r.healthy = False
                 stats.retries += 1
                 log.warning("replica %d lost a request (%s); retrying elsewhere", r.index, e)
 

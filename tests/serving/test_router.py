@@ -125,7 +125,8 @@ def test_router_retries_skips_and_reports(fast_health):
 
             # a replica lost between its health check and the request: retried elsewhere
             dead_one = rs.replicas[3]  # as if it had just passed a check, then died
-            dead_one.ready, dead_one.warm, dead_one.status = True, True, "ok"
+            dead_one.healthy, dead_one.fingerprint, dead_one.status = True, "fp_a", "ok"
+            time.sleep(0.3)  # the router's next health round: routed to
             prompts = [f"q{i}" for i in range(40)]
             firsts = [router.ranking(router.route_key({"prompt": p}), [0, 1, 3])[0]
                       for p in prompts]  # fmt: skip
