@@ -11,8 +11,9 @@ ranked by rendezvous hashing: requests that share a prefix land on the same repl
 prefix cache holds their common pages, and when a replica is down only its share moves. A
 replica more than BALANCE_SLACK requests busier than the least busy one is passed over for it
 (a popular prefix must not pin all load on one replica). Bits never depend on the choice: every
-replica runs the same model, plan and fingerprint (checked at start), and a request's bits depend
-only on the request.
+replica runs the same model and plan, a replica whose fingerprint differs from the one most
+replicas report gets no requests (`ReplicaSet.decide`), and a request's bits depend only on the
+request.
 
 Failures: a request whose replica dies before any byte reached the client is retried on the next
 replica in its ranking (the same bits, since every replica gives them); a stream already under
