@@ -109,7 +109,9 @@ def group_tiles(group_ids: jax.Array, num_groups: int, block_m: int) -> GroupedT
     row_slot = jnp.zeros(r, jnp.int32).at[order].set(dest)
     ends = start[:num_groups] + padded
     tile_start = jnp.arange(nt, dtype=jnp.int32) * block_m
-    tg = jnp.searchsorted(ends, tile_start, side="right").astype(jnp.int32)
+    # compare_all: one element-wise comparison [tiles, groups], no loop (the default binary
+    # search is a loop, which a GPU runs as host-driven iterations in every layer)
+    tg = jnp.searchsorted(ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
     tile_group = jnp.where(tile_start < ends[-1], tg, -1)
     return GroupedTiles(slot_row, row_slot, tile_group, padded, block_m)
 
