@@ -33,7 +33,7 @@ from serving.sampling_options import InvalidRequest
 
 
 def _lg() -> Any:
-    try:
+    try:  # on the first structured request: llguidance.hf imports transformers (~1 s)
         import llguidance
         import llguidance.hf  # noqa: F401
     except ImportError as e:  # a dependency in pyproject.toml; named if someone removed it
