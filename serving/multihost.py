@@ -136,7 +136,10 @@ def follow(engine: Engine, cluster: Cluster) -> None:
     """A follower's loop: replay process 0's request stream and steps until it says stop."""
     log.info("process %d: following process 0's request stream", cluster.process_id)
     while True:
-        msg = json.loads(cluster.receive())
+        raw = cluster.receive()
+        if raw is None:  # process 0 left without a stop (its process ended)
+            return
+        msg = json.loads(raw)
         if msg.get("stop"):
             return
         if "warmup" in msg:

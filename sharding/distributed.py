@@ -43,7 +43,7 @@ EXIT_PEER_LOST = 75  # process exit status when another process of the mesh is l
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _HELLO = struct.Struct("!i16s")  # a follower's first bytes: its process id and the job's token
 _FRAME = struct.Struct("!cQ")  # frame kind, payload length
-_MESSAGE, _BYE = b"M", b"B"
+_MESSAGE, _BYE, _FAIL = b"M", b"B", b"F"  # a message; a clean exit; an exit on an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +114,20 @@ class Cluster:
         self._closing = False
         self._departed: set[int] = set()
         self._send_lock = threading.Lock()
+        self._failure: str | None = None  # the uncaught exception this process ends with
         for pid, conn in conns.items():
             threading.Thread(
                 target=self._watch, args=(pid, conn), name=f"jdet-watch-{pid}", daemon=True
             ).start()
+        # A process that ends on an error tells its peers so (they exit, naming it) rather than
+        # saying goodbye: they would otherwise wait for it in their next collective.
+        previous = sys.excepthook
+
+        def record_failure(kind: type, value: BaseException, tb: Any) -> None:
+            self._failure = f"{kind.__name__}: {value}"[:1000]
+            previous(kind, value, tb)
+
+        sys.excepthook = record_failure
         atexit.register(self.close)
 
     # -- process 0 -> followers ---------------------------------------------------------------
@@ -133,8 +143,8 @@ class Cluster:
                 except OSError as e:
                     self._lost(pid, f"sending to it failed ({e})")
 
-    def receive(self) -> bytes:
-        """A follower: the next message from process 0 (blocks)."""
+    def receive(self) -> bytes | None:
+        """A follower: the next message from process 0 (blocks); None once process 0 left."""
         return self._inbox.get()
 
     # -- the watch ----------------------------------------------------------------------------
@@ -148,10 +158,14 @@ class Cluster:
                 kind, n = _FRAME.unpack(head)
                 if kind == _BYE:
                     self._departed.add(pid)
+                    self._inbox.put(None)  # a follower waiting for process 0's next message
                     return
                 body = _recv_exact(conn, n)
                 if body is None:
                     break
+                if kind == _FAIL:
+                    self._lost(pid, f"it failed: {body.decode(errors='replace')}")
+                    return
                 self._inbox.put(body)
             reason = "its connection closed"
         except OSError as e:
@@ -168,17 +182,26 @@ class Cluster:
             f"{EXIT_PEER_LOST}. Restart all processes together."
         )
         print(msg, file=sys.stderr, flush=True)  # not through logging: it may be silenced
-        os._exit(EXIT_PEER_LOST)
+        self._exit_process(EXIT_PEER_LOST)
+
+    def _exit_process(self, status: int) -> None:
+        os._exit(status)  # at once, from any thread, even while the main one is in a collective
 
     def close(self) -> None:
-        """Leave the job cleanly: peers see a goodbye, not a lost process. Idempotent."""
+        """Leave the job: peers see a goodbye (or, after an uncaught exception, the error), not
+        a lost connection. Idempotent; runs at exit."""
         if self._closing:
             return
         self._closing = True
+        if self._failure is None:
+            frame = _FRAME.pack(_BYE, 0)
+        else:
+            why = self._failure.encode()
+            frame = _FRAME.pack(_FAIL, len(why)) + why
         with self._send_lock:
             for conn in self._conns.values():
                 try:
-                    conn.sendall(_FRAME.pack(_BYE, 0))
+                    conn.sendall(frame)
                     conn.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass

@@ -6,6 +6,8 @@ imports, loads and compiles."""
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import functools
 import os
 import socket
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import jdet
-from sharding.distributed import EXIT_PEER_LOST, resolve
+from sharding.distributed import EXIT_PEER_LOST, Cluster, ProcessSpec, resolve
 from tests.sharding.multihost_worker import PROMPTS, SHAPES, requests, run
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -73,6 +75,59 @@ def test_resolve_reads_the_usual_environment_and_names_what_is_missing():
         resolve(2, env={})
     with pytest.raises(ValueError, match="--coordinator-address"):
         resolve(2, 0, env={})
+
+
+class Watched(Cluster):
+    """A Cluster whose 'exit' is recorded instead of ending the test process."""
+
+    def __init__(self, *a) -> None:
+        self.exits: list[int] = []
+        super().__init__(*a)
+        atexit.unregister(self.close)
+
+    def _exit_process(self, status: int) -> None:
+        self.exits.append(status)
+
+
+def pair() -> tuple[Watched, Watched]:
+    a, b = socket.socketpair()
+    spec = ProcessSpec(2, 0, "127.0.0.1:1")
+    return Watched(spec, {1: a}), Watched(dataclasses.replace(spec, process_id=1), {0: b})
+
+
+def wait_for(cond, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+def test_the_watch_tells_a_goodbye_from_a_failure_and_a_lost_connection(capfd):
+    hook = sys.excepthook
+    try:
+        leader, follower = pair()
+        for i in range(3):  # process 0's messages, in order
+            leader.broadcast(f"m{i}".encode())
+        assert [follower.receive() for _ in range(3)] == [b"m0", b"m1", b"m2"]
+        follower.close()  # a clean exit: no one is lost
+        leader.close()
+        assert follower.receive() is None  # process 0 left: a follower's loop ends
+        time.sleep(0.2)
+        assert leader.exits == [] and follower.exits == []
+
+        leader, follower = pair()
+        follower._failure = "ValueError: no such file"  # an uncaught exception, then exit
+        follower.close()
+        wait_for(lambda: leader.exits == [EXIT_PEER_LOST])
+        assert "lost process 1 of 2 (it failed: ValueError: no such file)" in capfd.readouterr().err
+
+        leader, follower = pair()
+        for conn in follower._conns.values():  # killed: the kernel closes its socket
+            conn.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: leader.exits == [EXIT_PEER_LOST])
+        assert "lost process 1 of 2 (its connection closed)" in capfd.readouterr().err
+    finally:
+        sys.excepthook = hook
 
 
 def test_tp8_over_two_processes_is_bitwise_tp1_offline_and_served_and_a_lost_one_ends_it(
