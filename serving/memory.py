@@ -206,6 +206,6 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
 
 def largest_free_block() -> int | None:
     """The device allocator's largest free block in bytes, where it reports one (a GPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     free = stats.get("largest_free_block_bytes")
     return int(free) if free is not None else None
