@@ -46,7 +46,7 @@ def worker(a: argparse.Namespace) -> None:
 
     import jdet
 
-    kw = dict(dtype=a.dtype, tp=a.tp, invariance="tp")
+    kw = dict(dtype=a.dtype, tp=a.tp, invariance="tp", num_pages=a.num_pages)
     if a.num_processes > 1:
         kw.update(num_processes=a.num_processes, process_id=a.process_id,
                   coordinator_address=a.coordinator)  # fmt: skip
@@ -100,6 +100,8 @@ def run_job(a: argparse.Namespace, name: str, tp: int, procs: int, tmp: Path) ->
             "--num-processes", str(procs), "--coordinator", coord, "--result", str(result),
             "--dtype", a.dtype, "--decode-tokens", str(a.decode_tokens),
             "--repeats", str(a.repeats)] + (["--model", a.model] if a.model else [])  # fmt: skip
+    if a.num_pages is not None:
+        base += ["--num-pages", str(a.num_pages)]
     per = tp // procs
     ps = [
         subprocess.Popen(base + ["--process-id", str(i)],
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV pool pages (default: sized from each device's memory)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default="multihost_bench.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,14 +1,18 @@
 """On a machine with 2 GPUs: two processes x 1 GPU as one JAX job, TP 2 across the processes,
 bitwise equal to TP 1 and to TP 2 in one process (benchmarks/multihost_bench.py, which also times
-its decode against single-process TP 2). Run it alone, so this process holds no GPU memory its
-jobs need:
+its decode against single-process TP 2):
 
     python -m pytest tests/sharding/test_multihost_gpu.py -m gpu -q -p no:xdist
+
+This pytest process has initialised JAX on the GPUs (tests/conftest.py asks for the backend),
+which takes most of their memory; the jobs it starts therefore neither preallocate nor size
+their KV pool from the free memory (a fixed --num-pages).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,8 +36,9 @@ def test_tp2_over_two_gpu_processes_is_bitwise_tp1_and_in_process_tp2(tmp_path):
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "multihost_bench.json"
     cmd = [sys.executable, "-m", "benchmarks.multihost_bench", "--decode-tokens", "64",
-           "--repeats", "3", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+           "--repeats", "3", "--num-pages", "1024", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     print(proc.stdout)
