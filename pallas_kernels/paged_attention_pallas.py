@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform
 from pallas_kernels.paged_attention_kernels import (
@@ -134,6 +133,8 @@ def _paged_attention_pallas(
     parameters exist for tests and benchmarks; the defaults are the plan, and every call that
     must agree bitwise has to use the same values.
     """
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     q_tiles = None
     if q_heads is not None:  # the tile layout already (docstring); q[T, H, E] is its shape
         if meta is None:

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform, xla_fixed
 from pallas_kernels.combine import combine_tree
@@ -30,6 +29,8 @@ from pallas_kernels.combine import combine_tree
 def _load(ref, mask, other):
     """Masked load where the block is ragged; a plain load (Triton rejects `other` without a
     mask) where it is not."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     if mask is None:
         return pltriton.load(ref)
     return pltriton.load(ref, mask=mask, other=other)
@@ -59,6 +60,8 @@ def warps_for(block_d: int) -> int:
 def _compiler_params(block_d: int, interpret: bool):
     """The Triton launch of every norm kernel here (None in interpret mode): `warps_for(block_d)`
     warps, one stage; one place, since the warp count is part of the reduction plan."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     if interpret:
         return None
     return pltriton.CompilerParams(num_warps=warps_for(block_d), num_stages=1)
@@ -69,6 +72,8 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
     launch) per norm per layer. With `heads` = (H, K) (`head_rms_norm`), there are two weight
     stacks, q's and k's, and row i takes q's where i % (H + K) < H: the same arithmetic."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     q_heads, kv_heads = heads
     if q_heads:
         layer_ref, x_ref, w_ref, wk_ref, o_ref = refs
@@ -237,6 +242,8 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
     """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
     tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
     array (indexed like the stacked weight: the proven way to address a slice in place)."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     d = x_ref.shape[0]
     row = pl.program_id(0)
     w_off = layer_ref[0] * d

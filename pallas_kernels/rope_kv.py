@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform
 from pallas_kernels._platform import as_float
@@ -63,6 +62,8 @@ def _store_cols(ref, rows, col0: int, width: int, val, ok) -> None:
 
     Array indices on both axes (not an array + a slice): the form both the Triton lowering and
     interpret mode's masked store take."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     cols = col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
     mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], width))
     pltriton.store(ref.at[rows[:, None], cols], val, mask=mask)
@@ -165,6 +166,8 @@ def rope_kv(
 @functools.partial(jax.jit, static_argnames=("q_heads", "rows", "num_warps"))
 def _rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, tok_c, layer, *, q_heads: int,
              rows: int, num_warps: int):  # fmt: skip
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"rope_kv: k/v caches are [L, K, P, B, E] of one shape; got {k_cache.shape}, "

@@ -25,7 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform, xla_fixed
 
@@ -33,6 +32,8 @@ from pallas_kernels import _platform, xla_fixed
 def _load(ref, mask, other):
     """Masked load where the block is ragged; a plain load (Triton rejects `other` without a
     mask) where it is not."""
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     if mask is None:
         return pltriton.load(ref)
     return pltriton.load(ref, mask=mask, other=other)
@@ -89,6 +90,8 @@ def _lse_kernel(m_ref, s_ref, o_ref, *, c_pad: int):
 
 
 def _log_softmax_kernel(x_ref, m_ref, s_ref, o_ref, *, v: int, c_pad: int):
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     lse = _lse_from_partials(m_ref, s_ref, c_pad)
     c = pl.program_id(1)
     for j in range(CHUNK_BLOCKS):
@@ -97,6 +100,8 @@ def _log_softmax_kernel(x_ref, m_ref, s_ref, o_ref, *, v: int, c_pad: int):
 
 
 def _params(interpret: bool):
+    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+
     return None if interpret else pltriton.CompilerParams(num_warps=8, num_stages=1)
 
 
