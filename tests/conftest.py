@@ -136,6 +136,8 @@ LONG_SINGLE_TESTS_FIRST = (
     "tests/test_readme.py",
     "tests/test_notebooks.py",
     "tests/sharding/test_llm_tp.py",
+    "tests/serving/test_data_parallel.py",  # ~45 CPU s: a router, two replicas, a reference
+    "tests/sharding/test_multihost.py",  # ~35 CPU s: a two-process job and a reference
     "tests/serving/test_spec_adaptive.py",
     "tests/serving/test_scoring.py",
     "tests/jdet/test_golden.py",
