@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -21,6 +22,8 @@ import numpy as np
 import pytest
 
 import jdet
+from serving import multihost
+from serving.sampling_options import SamplingOptions
 from sharding.distributed import EXIT_PEER_LOST, Cluster, ProcessSpec, resolve
 from tests.sharding.multihost_worker import PROMPTS, SHAPES, requests, run
 
@@ -75,6 +78,20 @@ def test_resolve_reads_the_usual_environment_and_names_what_is_missing():
         resolve(2, env={})
     with pytest.raises(ValueError, match="--coordinator-address"):
         resolve(2, 0, env={})
+
+
+def test_a_request_reaches_the_followers_with_every_sampling_field_intact():
+    """What process 0 sends for a request is what it added (a follower that rebuilt other
+    options would schedule and sample other steps, and hang or corrupt the job)."""
+    sp = jdet.SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, seed=2**32 - 1, max_tokens=9, n=2, stop=["x", "y"],
+        stop_token_ids=[3], logprobs=3, presence_penalty=0.5, frequency_penalty=0.25,
+        repetition_penalty=1.1, min_p=0.05, min_tokens=2, logit_bias={5: -1.5, 7: 2.0},
+        bad_words=["ab"], allowed_token_ids=[1, 2, 3], regex="[a-z]+",
+    )  # fmt: skip
+    opts = SamplingOptions.from_any(sp)
+    sent = json.loads(json.dumps(multihost._opts_json(opts)))  # over the wire
+    assert multihost._opts_from_json(sent) == opts
 
 
 class Watched(Cluster):
