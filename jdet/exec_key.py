@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from jdet.version import __version__
+from jdet import version
 from pallas_kernels import _platform, kernel_backend
 
 FORMAT = 1  # bump when the entry layout changes
@@ -215,7 +215,7 @@ def environment() -> dict:
         if (k.startswith(_ENV_PREFIXES) or k in _ENV_EXTRA) and k not in _ENV_SKIP
     }
     return {
-        "jdet": __version__,
+        "jdet": version.__version__,  # read at call time: a patched version is another key
         "source": source_hash(),
         "code": runtime_code_digest(),
         "jax": jax.__version__,
