@@ -11,6 +11,7 @@ runs, and only then blocks on step n's tokens. The KV cache is donated, so it is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -118,7 +119,6 @@ class ModelRunner:
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
-        self._pads: dict[tuple[int, int], Callable] = {}  # `_pad_tokens`
         # per-request logits transforms and structured output (serving/logits_rows.py)
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
@@ -341,11 +341,7 @@ class ModelRunner:
         """A device function padding n token ids to t with zeros (what the host pads with),
         placed like a step's input tokens (`place_tokens`): one executable of the step serves
         tokens from the host and from the device either way."""
-        fn = self._pads.get((n, t))
-        if fn is None:
-            fn = jax.jit(lambda x: jnp.pad(x, (0, t - n)), out_shardings=self.token_sharding)
-            self._pads[(n, t)] = fn
-        return fn
+        return _pad_fn(n, t, self.token_sharding)
 
     def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
         """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
@@ -413,3 +409,8 @@ class ModelRunner:
         for a in arrays:
             a.copy_to_host_async()
         return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}
+
+
+@functools.cache  # one per (n, t, placement) in the process: every engine shares its compile
+def _pad_fn(n: int, t: int, sharding: Any) -> Callable:
+    return jax.jit(lambda x: jnp.pad(x, (0, t - n)), out_shardings=sharding)
