@@ -62,7 +62,9 @@ SHAPES = {
 PAGE = 16
 
 
-def random_model(shape: str, max_len: int) -> Any:
+def random_model(shape: str, max_len: int, shapes: dict | None = None) -> Any:
+    """A jdet.Model with random bf16 weights of `shapes[shape]` (default: this module's
+    SHAPES), drawn on the device where there is one."""
     import jax
     import jax.numpy as jnp
 
@@ -70,8 +72,8 @@ def random_model(shape: str, max_len: int) -> Any:
     from jdet.loader import Model
     from jdet.params import init_params
 
-    raw = dict(SHAPES[shape], max_position_embeddings=max_len, eos_token_id=0, bos_token_id=0,
-               attention_bias=False, torch_dtype="bfloat16")  # fmt: skip
+    raw = dict((shapes or SHAPES)[shape], max_position_embeddings=max_len, eos_token_id=0,
+               bos_token_id=0, attention_bias=False, torch_dtype="bfloat16")  # fmt: skip
     cfg = ModelConfig.from_hf(raw)
     # drawn on the GPU: numpy's RNG took ~2.5 min of device time per 8B model
     params = init_params(cfg, seed=0, dtype=jnp.bfloat16, on_device=jax.default_backend() != "cpu")

@@ -48,18 +48,9 @@ BATCHES = (1, 32, 64)
 
 
 def random_model(shape: str, max_len: int) -> Any:
-    import jax
-    import jax.numpy as jnp
+    from benchmarks.decode_bench import random_model as make
 
-    from jdet.config import ModelConfig
-    from jdet.loader import Model
-    from jdet.params import init_params
-
-    raw = dict(SHAPES[shape], max_position_embeddings=max_len, eos_token_id=0, bos_token_id=0,
-               attention_bias=False, torch_dtype="bfloat16")  # fmt: skip
-    cfg = ModelConfig.from_hf(raw)
-    params = init_params(cfg, seed=0, dtype=jnp.bfloat16, on_device=jax.default_backend() != "cpu")
-    return Model(cfg=cfg, params=params, tokenizer=None, path=None, hf_config=raw)
+    return make(shape, max_len, SHAPES)
 
 
 def active_bytes(model: Any, batch: int, ctx: int) -> dict:
