@@ -14,10 +14,9 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Notebooks 01, 02 and 04 build engines of one step shape at the CI scale (the embedded model,
-# T = 16, S = 8, 128 tokens, 64 pages): one xdist worker runs them in that order, so that 02's
-# 'tp' and 'batch' TP 1 steps and 04's T = 16 step load from the run's compile cache
-# (tests/conftest.py) instead of compiling beside 01 on the other worker. Measured with nbclient,
-# one cache, after 01: 02 47.1 -> 34.5 CPU s (2 of its 4 steps loaded), 04 35.3 -> 28.6 (1 of 3).
+# T = 16, S = 8, 128 tokens, 64 pages) and run on one xdist worker in that order. They shared the
+# run's compile cache, so that 02 and 04 loaded steps 01 had compiled; each kernel now has its own
+# cache (test_notebook_runs says why).
 SHARED_ENGINES = ("01_nondeterminism.ipynb", "02_tp_invariance.ipynb", "04_serving.ipynb")
 
 
@@ -28,8 +27,13 @@ def _param(path: Path):
 
 
 @pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS], ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("JDET_NB_SCALE", "ci")  # the small CPU setting, whatever the caller's env
+    # Each notebook's kernel compiles into its own cache: on JAX 0.10.2 on an Intel AVX-512 host,
+    # notebook 04 run after 01 and 02 on one shared cache failed in its first warm-up run with
+    # "Function ... not found" (XLA:CPU running an executable another process cached); alone, or
+    # twice on one cache, it passes. An open bug (BENCHMARKS.md, open gaps), not yet found.
+    monkeypatch.setenv("JDET_CACHE_DIR", str(tmp_path / "jdet-cache"))
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT)}}).execute()  # fmt: skip
