@@ -139,9 +139,7 @@ def single_token_bucket() -> bool:
 CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)
 
 
-def default_num_pages(
-    cfg: Any, page_size: int, dtype: Any, *, max_model_len: int, max_num_seqs: int
-) -> int:
+def default_num_pages(page_size: int, *, max_model_len: int, max_num_seqs: int) -> int:
     """The pool off a device with a memory limit (a CPU): enough for a full batch of
     max_model_len sequences, at most CPU_MAX_PAGES (16k tokens at page 16: every engine allocates
     and zeroes its pool, ~0.5 s for a 4096-page pool of the embedded model on the 2-core machine),
@@ -177,7 +175,7 @@ def kv_pool(
     model_len = model_len_limit(cfg, max_model_len)
     if num_pages is None:
         num_pages = default_num_pages(
-            cfg, page_size, dtype, max_model_len=model_len, max_num_seqs=max_num_seqs
+            page_size, max_model_len=model_len, max_num_seqs=max_num_seqs
         )
         if max_model_len is None:
             model_len = min(model_len, num_pages * page_size)
