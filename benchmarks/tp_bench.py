@@ -86,6 +86,7 @@ def _chain(op, mesh, repeat: int):
 def _ops() -> dict:
     return {
         "psum": lambda x: jax.lax.psum(x, TP_AXIS),
+        "pairs": lambda x: tree_allreduce(x, TP_AXIS, algorithm="pairs"),
         "gather": lambda x: tree_allreduce(x, TP_AXIS, algorithm="gather"),
         "exchange": lambda x: tree_allreduce(x, TP_AXIS, algorithm="exchange"),
         "halving": lambda x: tree_allreduce(x, TP_AXIS, algorithm="halving"),
@@ -101,7 +102,7 @@ def check_tree_bits(mesh, tp: int, shape=(16, 4096)) -> bool:
     )
     ref = tree_sum_reference(list(x))
     ok = True
-    for name in ("gather", "exchange", "halving", "halving_ag"):
+    for name in ("pairs", "gather", "exchange", "halving", "halving_ag"):
         f = _chain(_ops()[name], mesh, 1)
         out = np.asarray(f(x.reshape(tp * shape[0], shape[1]))).reshape(tp, *shape)
         ok &= all(np.array_equal(out[r], ref) for r in range(tp))

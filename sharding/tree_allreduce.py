@@ -12,7 +12,16 @@ exact subtree of I shard r (`tree_matmul_partial`), the all-reduced value is bit
 ring/tree, or a serial sum on CPU) promises no order, which is why "batch" mode may differ between
 TP sizes.
 
-Four schedules compute that one expression; they differ only in traffic, never in bits:
+Five schedules compute that one expression; they differ only in traffic, never in bits:
+
+- "pairs": for d = 1, 2, 4, ... one `lax.psum` over the pairs {r, r ^ d} (`axis_index_groups`).
+  A sum of two operands has one rounding whatever the collective does inside (NCCL ring or tree,
+  XLA's one-shot kernel), and IEEE addition is commutative, so each level is exactly the tree's
+  `lower + upper`. An optimization barrier between levels keeps XLA from folding the levels into
+  one n-way all-reduce (which would sum in its own order). At n = 2 this is one plain psum, so
+  it runs on whatever all-reduce XLA has: with `xla_gpu_unsupported_use_all_reduce_one_shot_kernel`
+  (jdet/step.py turns it on where XLA has it) a single kernel that reads the peer's buffer over
+  NVLink, instead of an NCCL launch.
 
 - "gather" (the TBIK paper's Algorithm 2): one `lax.all_gather` of every partial, then the tree
   over the gathered blocks in one fused kernel. One collective, like psum, so the fewest
@@ -53,7 +62,7 @@ from jax import lax
 GATHER_MAX_BYTES_TP2 = 256 << 10  # per device
 GATHER_MAX_TOTAL_BYTES = 16 << 20  # n * per-device bytes, TP >= 4
 
-ALGORITHMS = ("auto", "gather", "exchange", "halving", "halving_ag")
+ALGORITHMS = ("auto", "pairs", "gather", "exchange", "halving", "halving_ag")
 
 
 def _axis_size(axis_name: str) -> int:
@@ -87,6 +96,17 @@ def _exchange(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     while d < n:
         is_lower = (rank & d) == 0
         x = _lower_first_add(x, _swap(x, axis_name, n, d), is_lower)
+        d *= 2
+    return x
+
+
+def _pairs(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    d = 1
+    while d < n:
+        if d > 1:  # XLA's all-reduce folder would merge psum(psum(x)) into one n-way sum
+            x = lax.optimization_barrier(x)
+        groups = None if n == 2 else [[i, i + d] for i in range(n) if not i & d]
+        x = lax.psum(x, axis_name, axis_index_groups=groups)
         d *= 2
     return x
 
@@ -151,6 +171,8 @@ def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> 
         return x
     if algorithm == "auto":
         algorithm = auto_schedule(x.size * x.dtype.itemsize, n)
+    if algorithm == "pairs":
+        return _pairs(x, axis_name, n)
     if algorithm == "gather":
         return _gather(x, axis_name, n)
     if algorithm == "exchange":

@@ -37,7 +37,9 @@ def _left_fold(parts: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("algorithm", ["gather", "exchange", "halving", "halving_ag", "auto"])
+@pytest.mark.parametrize(
+    "algorithm", ["pairs", "gather", "exchange", "halving", "halving_ag", "auto"]
+)
 @pytest.mark.parametrize("shape", [(3, 40), (1, 7)])  # (1, 7): 7 elements do not split over n
 def test_tree_allreduce_equals_pairwise_reference_bitwise_on_every_device(n, algorithm, shape):
     rng = np.random.default_rng(1000 * n + shape[1])
@@ -57,7 +59,23 @@ def test_all_schedules_give_identical_bits_for_a_prefill_sized_activation():
     b = _run(lambda v: tree_allreduce(v, "tp", algorithm="halving"), x)
     c = _run(lambda v: tree_allreduce(v, "tp", algorithm="halving_ag"), x)
     g = _run(lambda v: tree_allreduce(v, "tp", algorithm="gather"), x)
+    p = _run(lambda v: tree_allreduce(v, "tp", algorithm="pairs"), x)
     assert np.array_equal(a, b) and np.array_equal(a, c) and np.array_equal(a, g)
+    assert np.array_equal(a, p)
+
+
+def test_pairs_schedule_compiles_to_one_two_member_all_reduce_per_tree_level():
+    """What makes "pairs" the tree: log2(n) all-reduces over pairs {r, r ^ d}, never one n-way
+    all-reduce (XLA's all-reduce folder would make one of psum(psum(x)) without the barrier)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("tp",))
+    f = shard_map(lambda a: tree_allreduce(a, "tp", algorithm="pairs"), mesh=mesh,
+                  in_specs=P("tp"), out_specs=P("tp"))  # fmt: skip
+    hlo = jax.jit(f).lower(np.ones((8, 4), np.float32)).compile().as_text()
+    groups = [ln.split("replica_groups=")[1].split("}}")[0] + "}}"
+              for ln in hlo.splitlines() if " all-reduce(" in ln]  # fmt: skip
+    assert groups == [
+        "{{0,1},{2,3},{4,5},{6,7}}", "{{0,2},{1,3},{4,6},{5,7}}", "{{0,4},{1,5},{2,6},{3,7}}"
+    ], groups
 
 
 def test_tree_allreduce_rejects_a_non_power_of_two_axis():
