@@ -78,7 +78,8 @@ def decode(shape: str, smoke: bool) -> list[dict]:
     rows = []
     settings: list[dict] = [{}]  # the defaults first
     if not smoke:
-        settings += [{"max_num_seqs": s, "num_pages": p} for s in SWEEP_SEQS for p in SWEEP_POOLS
+        # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
+        settings += [{"max_num_seqs": s, "num_pages": p} for p in SWEEP_POOLS for s in SWEEP_SEQS
                      if (s, p) != (256, None)]  # fmt: skip
     ctxs = (64,) if smoke else (1024,)
     for kw in settings:
@@ -173,7 +174,13 @@ def ratios(result: dict) -> None:
             r["vs_torch_compile"] = r["decode_ms"] / 1e3 / bar[r["ctx"]]
 
 
-def run(out_dir: str = "out", shape: str = "llama3-8b", smoke: bool = False) -> dict:
+PARTS = ("start", "decode", "ttft", "torch")
+
+
+def run(
+    out_dir: str = "out", shape: str = "llama3-8b", smoke: bool = False,
+    only: tuple[str, ...] = PARTS,
+) -> dict:  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"shape": shape}
@@ -185,7 +192,7 @@ def run(out_dir: str = "out", shape: str = "llama3-8b", smoke: bool = False) -> 
     if not smoke:  # subprocesses with the full warm-up, and the GPU-only anchor
         parts = [("start", lambda: start(shape))] + parts
         parts.append(("torch", lambda: torch_anchor(shape, out)))
-    for name, fn in parts:
+    for name, fn in [(n, f) for n, f in parts if n in only]:
         try:
             result[name] = fn()
         except Exception as e:  # noqa: BLE001 - record why a part is missing, run the rest
@@ -200,12 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few tokens (CPU check)")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated subset of " + ",".join(PARTS))  # fmt: skip
     ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.start_child:
         _start_child(a.shape)
         return 0
-    run(a.out, "tiny" if a.smoke else a.shape, a.smoke)
+    parts = tuple(a.parts.split(","))
+    if unknown := set(parts) - set(PARTS):
+        ap.error(f"unknown --parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    run(a.out, "tiny" if a.smoke else a.shape, a.smoke, parts)
     return 0
 
 
