@@ -23,7 +23,9 @@ the time of one step shape).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 from pathlib import Path
@@ -183,7 +185,9 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
     smaller holes by what was placed and freed before (the weights' preparation), and a failed
     allocation is reported only when the step first reads the array. So each try is waited for,
     and a pool that does not fit, or leaves no block for the step, is freed and tried 10 %
-    smaller."""
+    smaller. A failed try's arrays are deleted at once: the error's traceback holds them in a
+    reference cycle, which only the cyclic collector would free, so without the delete each try
+    kept its pool and the next, smaller one failed too until nothing fitted."""
     for _ in range(40):
         try:
             runner.allocate_kv(num_pages)
@@ -194,7 +198,7 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-        runner.kv = None
+        free_pool(runner)
         num_pages = int(num_pages * 0.9)
         if num_pages < 1:
             break
@@ -202,6 +206,15 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
         f"no KV pool fits beside the weights with a {keep_free / GiB:.2f} GiB block left for "
         f"the step: the device's free memory is too fragmented or too small"
     )
+
+
+def free_pool(runner: Any) -> None:
+    """Drop the runner's pool and free its device memory now, whoever else still refers to it."""
+    kv, runner.kv = runner.kv, None
+    for a in jax.tree_util.tree_leaves(kv or {}):
+        with contextlib.suppress(Exception):  # an array whose allocation failed has no buffer
+            a.delete()
+    gc.collect()
 
 
 def largest_free_block() -> int | None:

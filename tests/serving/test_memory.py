@@ -101,3 +101,29 @@ def test_a_sized_pool_gives_the_bits_of_an_explicit_one(serving_model, limit):
     (got,) = eng.run()
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert np.array_equal(got.outputs[0].logprobs, want.outputs[0].logprobs)
+
+
+def test_a_failed_try_frees_its_pool_before_the_next_smaller_one(monkeypatch):
+    """A pool that fails to allocate is deleted at once (its error's traceback would keep it in a
+    reference cycle), so the next, 10 % smaller try has the memory back; the tries stop at the
+    first pool that fits."""
+    import jax
+    import jax.numpy as jnp
+
+    made = []
+
+    class Runner:
+        kv = None
+
+        def allocate_kv(self, num_pages):
+            self.kv = {"k": jnp.zeros(4), "v": jnp.zeros(4)}
+            made.append(self.kv)
+            if num_pages > 50:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+    monkeypatch.setattr(memory, "largest_free_block", lambda: None)
+    runner = Runner()
+    assert memory.allocate_to_fit(runner, 100, keep_free=0) == 45  # 100, 90, ..., 51, 45
+    assert len(made) == 8
+    assert all(a.is_deleted() for kv in made[:-1] for a in kv.values())
+    assert not any(a.is_deleted() for a in runner.kv.values())
