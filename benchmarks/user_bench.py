@@ -70,26 +70,37 @@ def _engine_row(llm: Any, **extra: Any) -> dict:
             "invariance": e.invariance, **extra}  # fmt: skip
 
 
-def decode(shape: str, smoke: bool) -> list[dict]:
+def _decode_child(shape: str, kw: dict, ctxs: tuple[int, ...], smoke: bool) -> None:
+    """One engine of the sweep, in this (fresh) process: prints a JSON row per context."""
     import jdet
 
     rng = np.random.default_rng(0)
-    model = _model(shape, 16384)
-    rows = []
+    llm = jdet.LLM(_model(shape, 16384), warmup=False, **kw)
+    for ctx in ctxs:
+        ms, _ = _decode_ms(llm, ctx, rng, steps=8 if smoke else 128)
+        print(json.dumps(_engine_row(llm, part="decode", settings=kw, ctx=ctx, decode_ms=ms)),
+              flush=True)  # fmt: skip
+
+
+def decode(shape: str, smoke: bool) -> list[dict]:
+    """Each setting in a fresh process, as a user starts an engine: one engine's pool and
+    compiles never weigh on the next."""
     settings: list[dict] = [{}]  # the defaults first
     if not smoke:
         # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
         settings += [{"max_num_seqs": s, "num_pages": p} for p in SWEEP_POOLS for s in SWEEP_SEQS
                      if (s, p) != (256, None)]  # fmt: skip
-    ctxs = (64,) if smoke else (1024,)
+    rows = []
     for kw in settings:
-        llm = jdet.LLM(model, warmup=False, **kw)
-        for ctx in ctxs + ((8192,) if not kw and not smoke else ()):
-            ms, _ = _decode_ms(llm, ctx, rng, steps=8 if smoke else 128)
-            rows.append(_engine_row(llm, part="decode", settings=kw, ctx=ctx, decode_ms=ms))
-            print(json.dumps(rows[-1]), flush=True)
-        del llm
-        gc.collect()
+        ctxs = (64,) if smoke else (1024,) + ((8192,) if not kw else ())
+        cmd = [sys.executable, "-m", "benchmarks.user_bench", "--decode-child", json.dumps(
+            {"kw": {k: v for k, v in kw.items() if v is not None}, "ctxs": ctxs, "smoke": smoke}),
+            "--shape", shape]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        got = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+        for r in got or [{"part": "decode", "settings": kw, "error": p.stderr[-2000:]}]:
+            rows.append(r)
+            print(json.dumps(rows[-1])[:600], flush=True)
     return rows
 
 
@@ -170,7 +181,7 @@ def ratios(result: dict) -> None:
     """Each decode row's ratio to compiled PyTorch's pipelined step at its context."""
     bar = {r["ctx"]: r.get("pipelined_step_s") for r in result.get("torch", []) if "ctx" in r}
     for r in result.get("decode", []):
-        if bar.get(r["ctx"]):
+        if bar.get(r.get("ctx")):
             r["vs_torch_compile"] = r["decode_ms"] / 1e3 / bar[r["ctx"]]
 
 
@@ -210,9 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="comma-separated subset of " + ",".join(PARTS))  # fmt: skip
     ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.start_child:
         _start_child(a.shape)
+        return 0
+    if a.decode_child:
+        c = json.loads(a.decode_child)
+        _decode_child(a.shape, c["kw"], tuple(c["ctxs"]), c["smoke"])
         return 0
     parts = tuple(a.parts.split(","))
     if unknown := set(parts) - set(PARTS):
