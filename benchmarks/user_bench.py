@@ -15,9 +15,15 @@ Parts (JSON rows in user_bench.json; random bf16 weights of the named shape, dra
   max_num_batched_tokens 8192;
 - torch: compiled PyTorch decode (benchmarks/torch_decode.py, `torch.compile(mode=
   "reduce-overhead")`) at context 1024 and 8192, in a subprocess of this run, so the ratios are
-  taken on one GPU at one time.
+  taken on one GPU at one time;
+- sdpa: the TTFT anchor: transformers (`attn_implementation="sdpa"`) on the same shape, random
+  bf16 weights, the same prompt lengths, one forward with `logits_to_keep=1`, best of 2, in a
+  subprocess.
 Each jdet row states its engine's pool and settings; each decode row its ratio to compiled
-PyTorch at the same context.
+PyTorch at the same context, each ttft row its ratio to SDPA at the same length. `env` records
+the device, date, versions and commit. `--smoke` (a CPU check; notebooks/06 reads its JSON in
+CI) runs every part but the GPU-only torch anchor at the tiny shape: a 2 x 2 sweep, a 48-token
+prompt, SDPA on the CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import numpy as np
 
 SWEEP_SEQS = (1, 8, 16, 64, 256)
 SWEEP_POOLS = (None, 1024, 16384)  # None: the engine sizes it (serving/memory.py)
+SMOKE_SEQS, SMOKE_POOLS = (1, 8), (None, 2048)
+TTFT_LENS, SMOKE_TTFT_LENS = (2048, 8192, 32768), (48,)
 
 
 def _model(shape: str, max_len: int) -> Any:
@@ -86,10 +94,10 @@ def decode(shape: str, smoke: bool) -> list[dict]:
     """Each setting in a fresh process, as a user starts an engine: one engine's pool and
     compiles never weigh on the next."""
     settings: list[dict] = [{}]  # the defaults first
-    if not smoke:
-        # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
-        settings += [{"max_num_seqs": s, "num_pages": p} for p in SWEEP_POOLS for s in SWEEP_SEQS
-                     if (s, p) != (256, None)]  # fmt: skip
+    seqs, pools = (SMOKE_SEQS, SMOKE_POOLS) if smoke else (SWEEP_SEQS, SWEEP_POOLS)
+    # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
+    settings += [{"max_num_seqs": s, "num_pages": p} for p in pools for s in seqs
+                 if (s, p) != (256, None)]  # fmt: skip
     rows = []
     for kw in settings:
         ctxs = (64,) if smoke else (1024,) + ((8192,) if not kw else ())
@@ -108,7 +116,7 @@ def ttft(shape: str, smoke: bool) -> list[dict]:
     import jdet
 
     rng = np.random.default_rng(1)
-    lens = (48,) if smoke else (2048, 8192, 32768)
+    lens = SMOKE_TTFT_LENS if smoke else TTFT_LENS
     model = _model(shape, max(lens) + 64)
     rows = []
     for budget in ((None,) if smoke else (None, 8192)):
@@ -177,15 +185,78 @@ def torch_anchor(shape: str, out: Path) -> list[dict]:
     return rows
 
 
+def _sdpa_child(shape: str, lens: list[int]) -> None:
+    """transformers with SDPA, time to first token at each length, in this (fresh) process."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.decode_bench import SHAPES
+
+    raw = {k: v for k, v in SHAPES[shape].items() if k not in ("model_type", "architectures")}
+    cfg = AutoConfig.for_model(SHAPES[shape]["model_type"], **raw,
+                               max_position_embeddings=max(lens) + 64)  # fmt: skip
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(dev):  # random weights drawn where they run
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    m.eval()
+    for n in lens:
+        times = []
+        with torch.no_grad():
+            for _ in range(3):  # the first compiles nothing but warms the allocator and kernels
+                ids = torch.randint(1, cfg.vocab_size, (1, n), device=dev)
+                t0 = time.perf_counter()
+                int(m(ids, logits_to_keep=1).logits[0, -1].argmax())  # the token reaches the host
+                times.append(time.perf_counter() - t0)
+        row = {"part": "sdpa", "prompt": n, "ttft_ms": min(times[1:]) * 1e3, "device": dev,
+               "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
+def sdpa_anchor(shape: str, smoke: bool) -> list[dict]:
+    lens = SMOKE_TTFT_LENS if smoke else TTFT_LENS
+    cmd = [sys.executable, "-m", "benchmarks.user_bench", "--sdpa-child", "--shape", shape,
+           "--lens", ",".join(map(str, lens))]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return rows or [{"error": p.stderr[-2000:]}]
+
+
+def environment() -> dict:
+    import jax
+
+    import jdet
+
+    git = ["git", "-C", str(Path(__file__).resolve().parent)]
+    try:  # "+changes": the working tree differs from the commit
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        commit = head + ("+changes" if dirty and head else "")
+    except OSError:  # no git: a copy of the tree
+        commit = ""
+    commit = os.environ.get("JDET_COMMIT") or commit or "unknown"
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jdet": jdet.__version__,
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()], "commit": commit}  # fmt: skip
+
+
 def ratios(result: dict) -> None:
-    """Each decode row's ratio to compiled PyTorch's pipelined step at its context."""
+    """Each decode row's ratio to compiled PyTorch's pipelined step at its context; each ttft
+    row's to SDPA at its prompt length."""
     bar = {r["ctx"]: r.get("pipelined_step_s") for r in result.get("torch", []) if "ctx" in r}
     for r in result.get("decode", []):
         if bar.get(r.get("ctx")):
             r["vs_torch_compile"] = r["decode_ms"] / 1e3 / bar[r["ctx"]]
+    sdpa = {r["prompt"]: r.get("ttft_ms") for r in result.get("sdpa", []) if "prompt" in r}
+    for r in result.get("ttft", []):
+        if sdpa.get(r.get("prompt")):
+            r["vs_sdpa"] = r["ttft_ms"] / sdpa[r["prompt"]]
 
 
-PARTS = ("start", "decode", "ttft", "torch")
+PARTS = ("start", "decode", "ttft", "sdpa", "torch")
 
 
 def run(
@@ -194,14 +265,18 @@ def run(
 ) -> dict:  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"shape": shape}
+    result: dict = {"shape": shape, "env": environment()}
 
     def save() -> None:  # after every part: a run cut short keeps what it measured
         (out / "user_bench.json").write_text(json.dumps(result, indent=1, default=str))
 
-    parts = [("decode", lambda: decode(shape, smoke)), ("ttft", lambda: ttft(shape, smoke))]
-    if not smoke:  # subprocesses with the full warm-up, and the GPU-only anchor
-        parts = [("start", lambda: start(shape))] + parts
+    parts = [
+        ("start", lambda: start(shape)),
+        ("decode", lambda: decode(shape, smoke)),
+        ("ttft", lambda: ttft(shape, smoke)),
+        ("sdpa", lambda: sdpa_anchor(shape, smoke)),
+    ]
+    if not smoke:  # the GPU-only anchor
         parts.append(("torch", lambda: torch_anchor(shape, out)))
     for name, fn in [(n, f) for n, f in parts if n in only]:
         try:
@@ -222,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of " + ",".join(PARTS))  # fmt: skip
     ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--decode-child", help=argparse.SUPPRESS)
+    ap.add_argument("--sdpa-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--lens", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.start_child:
         _start_child(a.shape)
@@ -229,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.decode_child:
         c = json.loads(a.decode_child)
         _decode_child(a.shape, c["kw"], tuple(c["ctxs"]), c["smoke"])
+        return 0
+    if a.sdpa_child:
+        _sdpa_child(a.shape, [int(n) for n in a.lens.split(",")])
         return 0
     parts = tuple(a.parts.split(","))
     if unknown := set(parts) - set(PARTS):
