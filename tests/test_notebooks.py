@@ -1,8 +1,10 @@
-"""Every notebook executes top to bottom on CPU at its CI scale (its cells assert what they show),
-and notebooks/execute.py, which produced the committed outputs on a machine without Jupyter, records
-streams, figures and errors."""
+"""Every notebook executes top to bottom on CPU at its CI scale (its cells assert what they show)
+and states its device, date, jdet version and commit first; notebooks/execute.py, which produces
+the committed outputs on a machine without Jupyter, records streams, figures and errors, and runs a
+list of notebooks into a folder."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +15,11 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# Notebooks 01, 02 and 04 build engines of one step shape at the CI scale (the embedded model,
-# T = 16, S = 8, 128 tokens, 64 pages) and run on one xdist worker in that order. They shared the
-# run's compile cache, so that 02 and 04 loaded steps 01 had compiled; each kernel now has its own
-# cache (test_notebook_runs says why).
-SHARED_ENGINES = ("01_nondeterminism.ipynb", "02_tp_invariance.ipynb", "04_serving.ipynb")
+# Notebooks 02 and 04 build engines of one step shape at the CI scale (the embedded model, T = 16,
+# S = 8, 128 tokens, 64 pages) and run on one xdist worker in that order. They shared the run's
+# compile cache, so that 04 loaded steps 02 had compiled; each kernel now has its own cache
+# (test_notebook_runs says why). Notebook 01 runs `jdet serve` subprocesses on a model of its own.
+SHARED_ENGINES = ("02_tp_invariance.ipynb", "04_serving.ipynb")
 
 
 def _param(path: Path):
@@ -60,3 +62,32 @@ def test_execute_py_records_outputs_and_stops_at_an_error(tmp_path):
     assert second[0].output_type == "error" and second[0].ename == "ZeroDivisionError"
     assert third == []
     assert json.loads(dst.read_text())["nbformat"] == 4
+
+
+def test_every_notebook_states_device_date_version_and_commit_first():
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        first = next(c for c in nb.cells if c.cell_type == "code")
+        assert "from notebooks.nbenv import header" in first.source, path.name
+        assert "header(SCALE" in first.source, path.name
+
+
+def test_execute_py_runs_a_list_into_a_folder_past_a_failure(tmp_path):
+    bad = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('no')")])
+    code = ("import os\nfrom notebooks import nbenv\n"
+            "print(os.environ['JDET_NB_SCALE'], nbenv.commit())")
+    good = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nbformat.write(bad, tmp_path / "a.ipynb")
+    nbformat.write(good, tmp_path / "b.ipynb")
+    out = tmp_path / "out"
+    script = ROOT / "notebooks" / "execute.py"
+    env = {**os.environ, "JDET_NB_COMMIT": "abc1234"}
+    run = subprocess.run([sys.executable, str(script), "--scale", "ci", "--out", str(out),
+                          str(tmp_path / "a.ipynb"), str(tmp_path / "b.ipynb")],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 of 2 notebooks ran" in run.stdout
+    a = nbformat.read(out / "a.ipynb", as_version=4)
+    b = nbformat.read(out / "b.ipynb", as_version=4)
+    assert a.cells[0].outputs[0].ename == "ValueError"
+    assert b.cells[0].outputs[0].text == "ci abc1234\n"
