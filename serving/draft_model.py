@@ -15,9 +15,9 @@ import numpy as np
 from jdet.batch import decode_batch
 from jdet.kv_cache import init_kv_cache
 from jdet.loader import DEFAULT_MODEL_DIR, Model, load
+from jdet.ops import Ops
 from jdet.spec_config import SpeculativeConfig
-from jdet.step import SamplingInputs
-from serving.model_runner import cached_step_fn
+from jdet.step import SamplingInputs, make_step_fn
 from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence
 
@@ -84,7 +84,7 @@ class ModelDraft:
             self._put = jax.jit(lambda t: t, out_shardings=one)  # host token ids (`_run`)
             # the draft's own bits do not matter (exact mode): the simplest runtime, one device
             mode = "batch" if invariance == "tp" else invariance
-            self.step_fn = cached_step_fn(model.cfg, mode)
+            self.step_fn = make_step_fn(model.cfg, Ops(invariance=mode))
             if self.rejection:  # the passes also return q (the mirror ignores it)
                 fn = rejection_step(model.cfg, mode, None, True)
                 self.step_fn = RejectionStep(fn, model.cfg.vocab_size, False)
