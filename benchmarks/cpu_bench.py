@@ -87,7 +87,7 @@ import gc
 import jdet
 from jdet import exec_cache
 from jdet.settings import EngineConfig
-from serving import sampler_variants
+from serving.engine import sampler_variants
 mark(marks, "imports")
 exec_cache.load_on_call(True)
 sampler_variants.VARIANTS = sampler_variants.ON_DEMAND

@@ -108,7 +108,7 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0,
     last page."""
     from jdet.batch import StepBatch
     from jdet.step import SamplingInputs
-    from serving.sampler_variants import for_step
+    from serving.engine.sampler_variants import for_step
 
     b = np.arange(batch, dtype=np.int32)
     used = pages_used(ctx)
@@ -127,7 +127,7 @@ def decode_inputs(cfg: Any, batch: int, ctx: int, pmax: int, seed: int = 0,
                    np.full(batch, ctx, np.int32), pt, b.copy())  # fmt: skip
     z = np.zeros(batch, np.float32)
     k = np.zeros(batch, np.int32)
-    # greedy rows: the sampler variant the engine runs for them (serving/sampler_variants.py)
+    # greedy rows: the sampler variant the engine runs for them (serving/engine/sampler_variants.py)
     si = SamplingInputs(temperature=z, top_k=k, top_p=z + 1, seed=np.zeros(batch, np.uint32),
                         position=pos[:batch] + 1, **for_step(k, z + 1, False))  # fmt: skip
     return sb, si
@@ -157,8 +157,8 @@ def device_step(runner: Any, batch: int, ctx: int, steps: int, step_fn: Any = No
     sb, si = decode_inputs(runner.cfg, batch, ctx, pages_for(ctx, steps), pad_tokens=pad_tokens)
     if step_fn is not None:
         sb, si = jax.device_put(sb), jax.device_put(si)
-    # else the runner's own step (serving/host_inputs.py PackedStep) takes host arrays, as the
-    # engine passes them (it packs them into one host buffer; device arrays would be copied back
+    # else the runner's own step (serving/engine/host_inputs.py PackedStep) takes host arrays, as
+    # the engine passes them (it packs them into one host buffer; device arrays would be copied back
     # first). Measured on an H100 with host arrays too: this row stays slower than the same step
     # as a variant row (Qwen3-0.6B 1.83 vs 1.52 ms, Llama-3-8B 6.62 vs 6.56): the packed step
     # also unpacks its inputs on the device (slices and bitcasts of one word buffer), which the
@@ -191,7 +191,7 @@ def engine_step(eng: Any, ctx: int, steps: int, rid: str = "b1") -> dict:
 def make_engine(model: Any, mode: str, max_len: int, num_pages: int) -> Any:
     import gc
 
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     gc.collect()
     return Engine(model, invariance=mode, max_num_batched_tokens=2048, max_num_seqs=64,

@@ -64,7 +64,7 @@ def probe() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from serving.host_inputs import pack
+    from serving.engine.host_inputs import pack
 
     eng, step, (params, batch, sampling) = captured_step_args()
     r = eng.runner

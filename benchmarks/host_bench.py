@@ -113,8 +113,8 @@ def make_engine(model: Any, device: str, max_batch: int, async_scheduling: str =
     import jax
 
     from jdet import exec_cache
-    from serving.engine import Engine
-    from serving.host_inputs import PackedStep, packed
+    from serving.engine.engine import Engine
+    from serving.engine.host_inputs import PackedStep, packed
 
     pages = MAX_LEN // 16
     eng = Engine(model, max_num_seqs=max(8, max_batch), max_num_batched_tokens=BUDGET,
@@ -123,7 +123,7 @@ def make_engine(model: Any, device: str, max_batch: int, async_scheduling: str =
     if device == "null":
         r = eng.runner
         d = tempfile.mkdtemp(prefix="jdet-host-bench-")
-        # host inputs packed as the real step's (serving/host_inputs.py)
+        # host inputs packed as the real step's (serving/engine/host_inputs.py)
         run = packed(null_step(model.cfg.vocab_size),
                      functools.partial(jax.jit, donate_argnums=(1,), keep_unused=True))
         r.step_fn = PackedStep(exec_cache.CachedFn(

@@ -38,7 +38,7 @@ SCHEMAS = [
 
 def host_masks(tokenizer_dir: str | None, steps: int) -> list[dict]:
     import jdet
-    from serving.structured import Structured
+    from serving.constrained.structured import Structured
 
     if tokenizer_dir:
         from transformers import AutoTokenizer

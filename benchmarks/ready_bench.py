@@ -57,7 +57,7 @@ def start(a: argparse.Namespace) -> dict:
     import jax
 
     from benchmarks.serve_bench import random_model
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     t_imp = time.perf_counter() - _T0
     model = random_model(a.shape, a.dtype, max_len=max(a.max_model_len, 4096),

@@ -1,5 +1,6 @@
 """What the lean sampler saves (issue 11): the full sampler (top-k/top-p filter and top-20
-log-probs, what every step ran before serving/sampler_variants.py) against the lean one (neither),
+log-probs, what every step ran before serving/engine/sampler_variants.py) against the lean one
+(neither),
 side by side in one process, alternating, for greedy rows (which need neither: same bits).
 
 Rows, per batch size B:
@@ -60,7 +61,7 @@ def sampler_rows(vocab: int, batch: int, mode: str, reps: int) -> dict:
     from jdet.ops import Ops
     from jdet.sampling import SamplingInputs, sample
     from jdet.step import xla_options
-    from serving.sampler_variants import FULL, LEAN
+    from serving.engine.sampler_variants import FULL, LEAN
 
     ops = Ops(invariance=mode)
     fn = jax.jit(lambda lg, inp: sample(lg, inp, ops), compiler_options=xla_options(ops) or None)
@@ -82,9 +83,9 @@ def sampler_rows(vocab: int, batch: int, mode: str, reps: int) -> dict:
 
 def device_rows(runner: Any, batch: int, ctx: int, reps: int) -> dict:
     from benchmarks.decode_bench import decode_inputs, pages_for
-    from serving.sampler_variants import FULL, LEAN
+    from serving.engine.sampler_variants import FULL, LEAN
 
-    # host arrays, as the engine passes them (its step packs them: serving/host_inputs.py)
+    # host arrays, as the engine passes them (its step packs them: serving/engine/host_inputs.py)
     sb, si = decode_inputs(runner.cfg, batch, ctx, pages_for(ctx, 32))
     sb = runner.place_tokens(sb)
     inputs = {"full": dataclasses.replace(si, **FULL.fields()),
@@ -99,8 +100,8 @@ def device_rows(runner: Any, batch: int, ctx: int, reps: int) -> dict:
 
 def engine_rows(eng: Any, ctx: int, steps: int, reps: int) -> dict:
     from benchmarks.decode_bench import engine_step
-    from serving import sampler_variants
-    from serving.sampler_variants import FULL
+    from serving.engine import sampler_variants
+    from serving.engine.sampler_variants import FULL
 
     default = sampler_variants.VARIANTS
     got: dict = {}

@@ -11,7 +11,8 @@ no cache), the median, and its run time at those shapes:
   reduce-window rewrite, for reference: its order is XLA's choice);
 - the top-p filter's descending sort: XLA CPU's float sort against `xla_fixed.sort_descending`
   (the same values sorted as int32 keys);
-- the FULL / LEAN / GREEDY samplers (serving/sampler_variants.py) with rows that filter (top-k
+- the FULL / LEAN / GREEDY samplers (serving/engine/sampler_variants.py) with rows that filter
+(top-k
   40, top-p 0.9, temperature 0.8), and FULL again with the associative scan put back, then also
   the float sort ("full_before": the CPU sampler as it was), so before and after are side by
   side.
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jdet import sampling
     from jdet.ops import Ops
     from pallas_kernels import xla_fixed
-    from serving.sampler_variants import FULL, GREEDY, LEAN
+    from serving.engine.sampler_variants import FULL, GREEDY, LEAN
 
     jax.config.update("jax_enable_compilation_cache", False)  # a compile, never a disk load
     n, v = a.rows, a.vocab

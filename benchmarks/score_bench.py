@@ -1,6 +1,6 @@
 """Throughput of `jdet.LLM.score` (teacher-forced log-probs), after warm-up.
 
-Why: since issue 14 a score is a request kind of the engine's scheduler (serving/scoring.py)
+Why: since issue 14 a score is a request kind of the engine's scheduler (serving/engine/scoring.py)
 instead of a loop of its own; this measures what that costs or saves, and prints a hash of the
 log-probs so two trees (e.g. `git worktree` of the commit before) can be checked for equal bits.
 

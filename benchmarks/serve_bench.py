@@ -87,7 +87,7 @@ def make_engine(model: Any, mode: str, a: argparse.Namespace, warm: bool = True,
     """An engine with fixed S and Pmax buckets (few shapes); `warm` compiles its token buckets."""
     import gc
 
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     gc.collect()  # the previous engine's KV cache must be gone before this one sizes its pool
     max_len = kw.pop("max_model_len", a.max_model_len)

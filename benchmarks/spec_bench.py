@@ -1,4 +1,5 @@
-"""Speculative decoding (serving/speculative.py): acceptance, tokens per target step, speed.
+"""Speculative decoding (serving/speculative/speculator.py): acceptance, tokens per target step,
+speed.
 
 CPU part (default; the embedded model, bf16, "tp" mode): held-out prompts of its corpus, greedy,
 batched; for each draft kind (n-gram, self-speculative with L of its 5 layers, the trained draft
@@ -83,7 +84,7 @@ def bits(outs: list) -> list:
 
 def cpu_part(a: argparse.Namespace, res: dict, save: Any) -> None:
     import jdet
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     model = jdet.load()
     budget = 64
@@ -199,7 +200,7 @@ def gpu_engines(a: argparse.Namespace, res: dict, save: Any) -> None:
 
     import jdet
     from benchmarks.decode_bench import random_model
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     res["env"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
     ctx, max_len = 1024, 2048

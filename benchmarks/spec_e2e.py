@@ -95,7 +95,7 @@ def e2e(model: Any, kw: dict, spec: Any, prompt: list[int], params: dict, reps: 
     then `reps` rounds over the engines in rotated order (one run of the embedded model is
     ~0.2 s: host jitter moved single runs by up to 1.6x in session 5)."""
     from jdet import compile_cache as cc
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
 
     engines = {}
     for name in names:

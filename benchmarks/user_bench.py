@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 SWEEP_SEQS = (1, 8, 16, 64, 256)
-SWEEP_POOLS = (None, 1024, 16384)  # None: the engine sizes it (serving/memory.py)
+SWEEP_POOLS = (None, 1024, 16384)  # None: the engine sizes it (serving/engine/memory.py)
 SMOKE_SEQS, SMOKE_POOLS = (1, 8), (None, 2048)
 TTFT_LENS, SMOKE_TTFT_LENS = (2048, 8192, 32768), (48,)
 

@@ -38,8 +38,8 @@ def __dir__() -> list[str]:
 
 
 def serve(model: Model | str | None = None, **kwargs: object) -> None:
-    """Blocking OpenAI-compatible server (settings: jdet/settings.py; serving/launch.py)."""
-    from serving.launch import serve as _serve  # an entry point (see _LAZY); FastAPI: ~0.8 s
+    """Blocking OpenAI-compatible server (settings: jdet/settings.py; serving/http/launch.py)."""
+    from serving.http.launch import serve as _serve  # an entry point (see _LAZY); FastAPI: ~0.8 s
 
     _serve(model, **kwargs)
 

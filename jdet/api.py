@@ -1,7 +1,7 @@
 """The public offline API: `jdet.LLM` (generate, stream, score).
 
 `LLM` owns the model, the invariance mode and the engine settings; it validates input at the
-boundary and runs everything through one serving engine (serving/engine.py), so offline
+boundary and runs everything through one serving engine (serving/engine/engine.py), so offline
 generation, scoring and the server share the scheduler, the prefix cache and the compiled steps.
 """
 
@@ -23,8 +23,8 @@ from jdet.sampling import NUM_TOP
 from jdet.sampling_params import RequestOutput, SamplingParams
 from jdet.settings import EngineConfig
 from jdet.spec_config import SpeculativeConfig
-from serving import llm_backend, multihost
-from serving.engine import Engine
+from serving.engine import llm_backend, multihost
+from serving.engine.engine import Engine
 from sharding import distributed
 
 Prompt = str | Sequence[int]
@@ -51,7 +51,7 @@ class LLM:
         call meets a compile halfway; default on, `$JDET_WARMUP=0` turns it off (shapes then
         compile when first met). `speculative`: a `jdet.SpeculativeConfig` (or dict of its
         fields) to draft and verify several tokens per step; with verify="exact" the outputs are
-        bitwise those without it (serving/speculative.py)."""
+        bitwise those without it (serving/speculative/speculator.py)."""
         config = dataclasses.replace(config or EngineConfig(), **settings)
         tp, max_model_len = config.tp, config.max_model_len
         # a multi-host job (num_processes > 1) starts before the model touches a device

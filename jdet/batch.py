@@ -30,7 +30,7 @@ class StepBatch:
 
 def pow2_bucket(n: int, minimum: int, maximum: int = 1 << 62) -> int:
     """Smallest power of two >= max(n, minimum), capped at `maximum` (itself a valid bucket).
-    The one bucket rule: the engine's token buckets (serving/shapes.py `ShapeSet`) and
+    The one bucket rule: the engine's token buckets (serving/engine/shapes.py `ShapeSet`) and
     jdet.train's flat batch follow it."""
     b = max(1, minimum)
     while b < n:
@@ -119,8 +119,9 @@ def decode_batch(
 ) -> StepBatch:
     """A decode step: sequence s feeds one token, `tokens[s]` at `positions[s]`, and samples it
     (rows padded to `pad_seqs`). Why a helper: the decode step dispatched ahead
-    (serving/model_runner.py `prepare_ahead`, which then puts the device's tokens in) and a
-    model draft's passes (serving/draft_model.py) build exactly this, once per decode step.
+    (serving/engine/model_runner.py `prepare_ahead`, which then puts the device's tokens in) and a
+    model draft's passes (serving/speculative/draft_model.py) build exactly this, once per decode
+    step.
 
     The layout is `build_batch`'s (one token and one logits row per sequence; tests/jdet/
     test_batch.py checks the two equal bitwise), built with a fixed handful of numpy calls

@@ -20,8 +20,8 @@ import jdet
 from jdet import exec_cache, spec_config
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
-from serving import sampler_variants
-from serving.shapes import default_min_tokens_bucket
+from serving.engine import sampler_variants
+from serving.engine.shapes import default_min_tokens_bucket
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 _exit_now(rc)
             return rc
         if a.cmd == "serve":
-            from serving.launch import serve  # FastAPI: ~0.8 s to import, `jdet serve` only
+            from serving.http.launch import serve  # FastAPI: ~0.8 s to import, `jdet serve` only
 
             kw = dataclasses.asdict(engine)
             kw["speculative"] = spec
@@ -137,7 +137,7 @@ def _one_shape_budget(engine: EngineConfig, spec: object) -> EngineConfig:
         return engine
     if jax.default_backend() != "cpu":
         return engine
-    # min_tokens_bucket pinned too: no 1-token decode bucket (serving/shapes.py
+    # min_tokens_bucket pinned too: no 1-token decode bucket (serving/engine/shapes.py
     # `single_token_bucket`), whose compile would cost the one-shot run more than it saves
     budget = engine.min_tokens_bucket or default_min_tokens_bucket()
     return dataclasses.replace(engine, max_num_batched_tokens=budget, min_tokens_bucket=budget)

@@ -3,7 +3,7 @@
 `FIELDS` is the table: a field's name (the Python API's and the engine's), its type and default in
 `jdet.SamplingParams`, its bounds, its name in the OpenAI / vLLM HTTP API and the endpoints that
 take it. From it follow `jdet.SamplingParams` (jdet/sampling_params.py), the sampling fields of the
-server's request schemas (serving/protocol.py) and the engine's `SamplingOptions`
+server's request schemas (serving/http/protocol.py) and the engine's `SamplingOptions`
 (serving/sampling_options.py). `engine_values` turns any of them (or a dict) into the engine's
 form, and `check` validates that form: the one validation every entry point (LLM, server, CLI,
 engine) goes through. Its bounds are those of the arrays the step receives (int32 top_k and token

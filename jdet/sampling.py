@@ -83,7 +83,8 @@ class SamplingInputs:
     (tests/jdet/test_sampler_variants.py). The defaults are the full sampler.
 
     A third flag, `draw`, and `logits=None` make the smallest step, for steps whose rows are all
-    greedy without transforms (serving/sampler_variants.py GREEDY: `jdet generate`'s default):
+    greedy without transforms (serving/engine/sampler_variants.py GREEDY: `jdet generate`'s
+    default):
     XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4 less
     compile time for the embedded model's step on a CPU (benchmarks/sampler_compile.py). A greedy
     row's token is the argmax of the same logits either way, its log-prob read from the same
@@ -96,7 +97,7 @@ class SamplingInputs:
     position: jax.Array  # i32[N]: position the sampled token will occupy
     logits: LogitsInputs | None = None  # per-request transforms; None: none in this step
     # False: no row filters (every top_k is 0 and every top_p 1); the filter is not built, so a
-    # row that asks would not be filtered: the caller's promise (serving/sampler_variants.py)
+    # row that asks would not be filtered: the caller's promise (serving/engine/sampler_variants.py)
     filter_topk_topp: bool = _static(True)
     # top log-probs per row in SampleOut: NUM_TOP, or 0 (top_ids/top_logprobs are [N, 0])
     top_logprobs: int = _static(NUM_TOP)

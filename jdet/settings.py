@@ -1,6 +1,6 @@
 """The engine's and the server's settings, each written once, with their defaults and help text.
 
-`EngineConfig` holds every setting of a serving engine (`jdet.LLM`, `serving.engine.Engine`,
+`EngineConfig` holds every setting of a serving engine (`jdet.LLM`, `serving.engine.engine.Engine`,
 `jdet serve`); `ServerConfig` those of the HTTP server. The CLI's flags (jdet/cli.py) are generated
 from these fields — name, type, default, choices and help — so a setting added here appears in
 `jdet serve --help` and `jdet generate --help` with nothing else to edit, and the two cannot drift.
@@ -90,7 +90,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The OpenAI-compatible HTTP server's own settings (serving/server.py)."""
+    """The OpenAI-compatible HTTP server's own settings (serving/http/server.py)."""
 
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
@@ -107,7 +107,7 @@ class ServerConfig:
     log_level: str = _opt("info", "uvicorn log level")
     data_parallel: int = _opt(
         1, "engine replicas, each on its own tp devices, behind this one endpoint: requests "
-        "routed by a hash of the prompt's prefix (serving/router.py)",
+        "routed by a hash of the prompt's prefix (serving/http/router.py)",
     )  # fmt: skip
 
 

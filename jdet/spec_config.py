@@ -1,7 +1,7 @@
 """`SpeculativeConfig`: how (and whether) an engine drafts tokens and verifies them.
 
 Validated here, at the boundary (API, CLI, server), so the engine never sees an unknown value.
-The design and why `verify="exact"` changes no bit: serving/speculative.py.
+The design and why `verify="exact"` changes no bit: serving/speculative/speculator.py.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ VERIFY = ("exact", "rejection")
 # what this version runs (every combination); kept so a future method can be refused by name
 IMPLEMENTED = {(m, v) for m in METHODS for v in VERIFY}
 MAX_NUM_TOKENS = 16
-# Revision of the adaptive-K policy (serving/spec_adaptive.py). In rejection mode the policy
+# Revision of the adaptive-K policy (serving/speculative/adaptive.py). In rejection mode the policy
 # decides which positions are rejection-sampled, i.e. part of the bits, so the fingerprint
 # carries it: bump it whenever the policy changes which steps verify. Revision 4's rules: an
 # n-gram lookup that finds nothing is not a miss; in rejection mode the policy never looks at a
 # sequence's latest token (its bits independent of async scheduling), a verify is scheduled whole
 # or deferred (never cut to the budget or free pages), a recompute leaves its last token to a
 # decode step, and the prompt's last token never drafts: its bits independent of the load
-# (serving/scheduler.py).
+# (serving/engine/scheduler.py).
 ADAPTIVE_POLICY = 4
 
 
@@ -38,7 +38,7 @@ class SpeculativeConfig:
     verify: "exact" (default: accept draft i iff it equals the token the target samples there
         with its (seed, position) key, so the output is bitwise that of non-speculative decoding)
         or "rejection" (the standard accept-with-min(1, p/q) rule: same distribution, other bits).
-    min_alpha: adaptive K (serving/spec_adaptive.py): a request whose running per-position
+    min_alpha: adaptive K (serving/speculative/adaptive.py): a request whose running per-position
         acceptance falls below this decodes without drafts (K = 0), so that steps where no
         request drafts are dispatched ahead (async scheduling) like plain decoding; it drafts
         again once its acceptance, still measured, recovers. 0: always draft. Changes no bit in

@@ -2,8 +2,8 @@
 
 One compile per shape (T, S, Pmax, N) and sampler variant (SamplingInputs' static flags: the
 top-k/top-p filter and the top log-probs built or not); the engine pads every step to one of a
-bounded set of shapes, runs one of two variants (serving/sampler_variants.py) and compiles them
-all before it serves (serving/shapes.py `ShapeSet`).
+bounded set of shapes, runs one of two variants (serving/engine/sampler_variants.py) and compiles
+them all before it serves (serving/engine/shapes.py `ShapeSet`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def score_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None)
 
 def logits_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
     """step_body without the sampler: (params, kv, batch) -> (kv, f32 logits [N, V]). A CPU
-    engine runs it and the sampler as two executables (serving/host_inputs.py `SplitStep`)."""
+    engine runs it and the sampler as two executables (serving/engine/host_inputs.py
+    `SplitStep`)."""
 
     def body(params: dict, kv: dict, batch: StepBatch) -> tuple[dict, jax.Array]:
         return _logits(params, cfg, kv, batch, ops, gather_vocab)
@@ -72,7 +73,7 @@ NONE_GPU_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # device always looks too large, and the pass then spends seconds per compile failing to shrink
 # it (an 8B step with a 58 GiB pool on an H200: 7.7 s -> 3.0 s of compile, the same program and
 # memory: "Can't reduce memory use below ..."). The engine sizes the pool from the step's own
-# peak (serving/memory.py), so there is nothing for the pass to rescue.
+# peak (serving/engine/memory.py), so there is nothing for the pass to rescue.
 GPU_XLA_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 

@@ -83,7 +83,7 @@ def _kv(cfg: ModelConfig, num_kv_heads: int, num_pages: int, page_size: int, dty
 
 
 def _dtype(params: dict) -> Any:
-    # the engine's KV cache takes the model's dtype (serving/model_runner.py: kv_dtype)
+    # the engine's KV cache takes the model's dtype (serving/engine/model_runner.py: kv_dtype)
     return jax.tree_util.tree_leaves(params)[0].dtype
 
 

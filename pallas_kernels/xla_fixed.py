@@ -114,7 +114,7 @@ BM = 8
 # That equality is a measured property of one XLA on one instruction set, not a construction, so
 # the small blocks are on only where it was measured (`small_row_blocks_verified`); elsewhere
 # every product runs BM-row dots, invariant by construction (a batch-1 CPU decode is then slower:
-# 234-259 -> 167-171 tok/s for the embedded model on the CI machine, serving/shapes.py).
+# 234-259 -> 167-171 tok/s for the embedded model on the CI machine, serving/engine/shapes.py).
 SMALL_ROW_BLOCKS_ENV = "JDET_SMALL_ROW_BLOCKS"  # "1" / "0": force them on / off (measurements)
 # jaxlib versions whose XLA CPU was measured to keep the rows (the CI machine's 0.10.2, x86-64
 # with AVX2). Not 0.11.2: on the H100 host's Xeon its 2- and 4-row dots gave rows other than

@@ -58,7 +58,8 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)  # hash chain of its registered pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
-    # speculative decoding (serving/speculative.py): this step's draft, set before scheduling
+    # speculative decoding (serving/speculative/speculator.py): this step's draft, set before
+    # scheduling
     draft_token_ids: list[int] = field(default_factory=list)
     # a score request (Engine.add_score): prefill-only, samples nothing. Row i of token_ids gives
     # scores[i] = log p(targets[i] | token_ids[: i + 1]); rows below num_scored are known (kept

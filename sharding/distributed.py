@@ -15,7 +15,7 @@ kernel closes it the moment a process dies, and the peer's watch thread then end
 at once with `EXIT_PEER_LOST` and an error naming the lost process. JAX's heartbeat timeout
 (`heartbeat_timeout`) remains the backstop for a host that vanishes without closing its sockets
 (TCP keep-alive probes are on as well). The same connection carries process 0's request stream to
-the followers when serving (serving/multihost.py).
+the followers when serving (serving/engine/multihost.py).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def tp_logits_body(
 ) -> tuple[Callable, Ops]:
     """make_tp_step's forward without the sampler, not jitted: ((params, kv, batch) -> (kv,
     f32 logits [N, V] replicated), its Ops). A CPU engine jits it and runs the sampler apart
-    (serving/host_inputs.py `SplitStep`)."""
+    (serving/engine/host_inputs.py `SplitStep`)."""
     check_heads(cfg, tp_size(mesh))
     ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)
     body = logits_body(cfg, ops, _gather_vocab)

@@ -47,7 +47,8 @@ gc.set_threshold(20000, 50, 100)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Test engines run the product's sampler variants (serving/sampler_variants.py `engine_variants`:
+# Test engines run the product's sampler variants (serving/engine/sampler_variants.py
+# `engine_variants`:
 # GREEDY and FULL on a CPU, LEAN and FULL on a GPU). Until session 13 they were held to FULL, as
 # a warmed-up CPU engine then ran: FULL's sampler is ~0.8 s to compile on a CPU, GREEDY's 0.03.
 # The other sets and their bit equality with FULL have their own tests, which set VARIANTS
@@ -247,7 +248,7 @@ def batch_dependent_none(monkeypatch):
         return
     import jdet.ops
     import jdet.step
-    import serving.host_inputs
+    import serving.engine.host_inputs
 
     original = jdet.ops.Ops.attention
 
@@ -266,6 +267,6 @@ def batch_dependent_none(monkeypatch):
     )  # fmt: skip
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
-    # a CPU engine's step is a forward and a sampler (serving/host_inputs.py), cached apart
-    monkeypatch.setattr(serving.host_inputs, "_split_step_fn",
-                        serving.host_inputs._split_step_fn.__wrapped__)  # fmt: skip
+    # a CPU engine's step is a forward and a sampler (serving/engine/host_inputs.py), cached apart
+    monkeypatch.setattr(serving.engine.host_inputs, "_split_step_fn",
+                        serving.engine.host_inputs._split_step_fn.__wrapped__)  # fmt: skip

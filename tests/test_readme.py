@@ -74,8 +74,8 @@ def client_params(kind: str) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_readme_table_covers_the_openai_client_and_is_true(kind):
-    from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-    from serving.request_parsing import parse
+    from serving.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+    from serving.http.request_parsing import parse
 
     rows = table()
     schema = CompletionRequest if kind == "completions" else ChatCompletionRequest

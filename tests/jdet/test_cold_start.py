@@ -114,7 +114,7 @@ def test_generate_prefills_in_decode_sized_chunks_on_a_cpu_unless_told_otherwise
     is given or a speculative verify needs more tokens than one chunk."""
     from jdet.cli import _one_shape_budget
     from jdet.settings import EngineConfig
-    from serving.shapes import default_min_tokens_bucket
+    from serving.engine.shapes import default_min_tokens_bucket
 
     on_cpu = jax.default_backend() == "cpu"
     got = _one_shape_budget(EngineConfig(), None).max_num_batched_tokens

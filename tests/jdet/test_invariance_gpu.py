@@ -69,7 +69,7 @@ def _decode_inputs(cfg, batch: int, ctx: int, pmax: int, pad_tokens: int, page: 
     b * used, ..., with `pad_tokens` rows (padding rows write nothing)."""
     from jdet.batch import decode_batch
     from jdet.step import SamplingInputs
-    from serving.sampler_variants import for_step
+    from serving.engine.sampler_variants import for_step
 
     used = -(-ctx // page)
     tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, batch).tolist()
@@ -93,7 +93,7 @@ def test_gpu_unrolled_layers_equal_the_layer_loop(model):
     import jax.numpy as jnp
 
     import jdet.model as jm
-    from serving.engine import Engine
+    from serving.engine.engine import Engine
     from sharding.mesh import make_tp_mesh
     from sharding.tp import make_tp_step
 

@@ -12,8 +12,8 @@ import pytest
 
 import jdet
 from jdet.request_fields import API_FIELDS, ENGINE_FIELDS, FIELDS, http_fields
-from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from serving.request_parsing import COMPLETIONS_MAX_TOKENS, parse, sampling_options
+from serving.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from serving.http.request_parsing import COMPLETIONS_MAX_TOKENS, parse, sampling_options
 from serving.sampling_options import SamplingOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -185,8 +185,8 @@ def neutral_transforms(bias: float = 0.0) -> LogitsInputs:
 def test_greedy_rows_have_the_same_bits_without_draw_and_transforms(
     logits: jax.Array, mode: str
 ) -> None:
-    """The GREEDY variant (serving/sampler_variants.py: draw=False, logits None, no filter, no
-    top log-probs) gives a greedy row the bits of the full sampler with neutral transforms,
+    """The GREEDY variant (serving/engine/sampler_variants.py: draw=False, logits None, no filter,
+    no top log-probs) gives a greedy row the bits of the full sampler with neutral transforms,
     alone and with the other greedy rows, whatever the rows batched with it in the full step."""
     every = list(range(N))
     full = run(logits, every, mode, True, NUM_TOP, transforms=neutral_transforms())

@@ -28,8 +28,8 @@ from jdet.sampling import (
     process_logits,
     sample,
 )
-from serving.engine import Engine
-from serving.logits_rows import pack_allowed
+from serving.constrained.logits_rows import pack_allowed
+from serving.engine.engine import Engine
 from tests.serving.conftest import write_tiny_model
 
 # One xdist worker for the whole module: its tests share its model, engine and compiled steps
@@ -72,7 +72,7 @@ def reference_min_p(scaled: np.ndarray, min_p: np.ndarray) -> np.ndarray:
 
 
 def logits_inputs(rows: list[dict], prompts: list, outputs: list, U: int = 64) -> LogitsInputs:
-    """Host arrays as serving/logits_rows.py builds them."""
+    """Host arrays as serving/constrained/logits_rows.py builds them."""
     N, W = len(rows), -(-V // 32)
     a = dict(
         min_p=np.zeros(N, np.float32),

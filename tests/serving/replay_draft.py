@@ -5,8 +5,8 @@ draft that the target accepts at a known rate, and random 8B weights have none: 
 model draft gets alpha ~ 0 on them. A replay draft knows the target's own non-speculative output
 for the prompt (recorded by a first plain run of the benchmark) and proposes the token at each
 position correctly with probability alpha, else a wrong token. In exact mode a draft only decides
-how many rows of a verify are usable (serving/speculative.py), so the speculative output is still
-bitwise the plain one: the benchmark asserts it, and a replay draft that drifted from the
+how many rows of a verify are usable (serving/speculative/speculator.py), so the speculative output
+is still bitwise the plain one: the benchmark asserts it, and a replay draft that drifted from the
 target's tokens would be caught by that assertion (and refused here first).
 
 Whether position j's draft is right is a seeded coin of (seed, j), so a run is deterministic and
@@ -15,8 +15,8 @@ emits (1 - alpha^(K+1)) / (1 - alpha) tokens on average (the seed's formula), wh
 checks against the measured counts.
 
 It plugs in where a model draft does (`Speculator.model_draft`: `draft(items)`, `mirror`,
-`warmup`; serving/draft_model.py `ModelDraft`): the engine runs it like any model draft, no
-special path. Exact mode only (rejection mode would need its q vectors); not for serving.
+`warmup`; serving/speculative/draft_model.py `ModelDraft`): the engine runs it like any model draft,
+no special path. Exact mode only (rejection mode would need its q vectors); not for serving.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jdet import compile_cache
-from serving.engine import Engine
+from serving.engine.engine import Engine
 
 # Every step's S bucket equals the decode step's T bucket (S = min(T, 4) = 4 for T >= 4), so
 # every decode step can go ahead. test_host_path.py runs this engine with a budget of 16 (its

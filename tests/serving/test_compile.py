@@ -21,8 +21,8 @@ import pytest
 
 import jdet
 from jdet import compile_cache
-from serving import sampler_variants
-from serving.host_inputs import split_step_here
+from serving.engine import sampler_variants
+from serving.engine.host_inputs import split_step_here
 
 # One xdist worker for the whole module (tests/conftest.py: --dist loadgroup): the warm-up tests
 # compile the same step shapes (SETTINGS, 10 pages), which the server test then finds compiled
@@ -36,7 +36,7 @@ MODE = "tp"  # the default mode, on the sharded runtime
 # A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
 SETTINGS = dict(
     invariance=MODE,
-    min_tokens_bucket=16,  # pinned (a CPU's default is 8: serving/shapes.py)
+    min_tokens_bucket=16,  # pinned (a CPU's default is 8: serving/engine/shapes.py)
     max_num_batched_tokens=32,
     max_num_seqs=4,
     max_model_len=64,
@@ -131,8 +131,8 @@ def test_after_warmup_speculative_traffic_compiles_nothing(serving_model):
 def test_server_reports_warming_up_until_every_shape_is_compiled(serving_model):
     from fastapi.testclient import TestClient
 
-    from serving.engine import Engine
-    from serving.server import build_app
+    from serving.engine.engine import Engine
+    from serving.http.server import build_app
 
     eng = Engine(serving_model, **SETTINGS, num_pages=10)
     gate = threading.Event()
@@ -216,9 +216,10 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     entries, files = {}, sorted((cache / "exec").glob("*.jdetexe"))
     for f in files:
         entries[json.loads(pickle.loads(f.read_bytes())["parts"])["fn"].split("_")[-1]] = f
-    # one shape each in this set; the step in each sampler variant (serving/sampler_variants.py),
+    # one shape each in this set; the step in each sampler variant
+    # (serving/engine/sampler_variants.py),
     # or on a CPU its forward, one for every variant (the sampler apart, in XLA's cache:
-    # serving/host_inputs.py `SplitStep`)
+    # serving/engine/host_inputs.py `SplitStep`)
     split = split_step_here()
     n_step = 1 if split else len(sampler_variants.engine_variants())
     step = "forward" if split else "step"
@@ -229,7 +230,7 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     # the restart compiled nothing: every executable came from a cache
     assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
     # ... and traced no step: its executable came from jdet's cache (the cold start traced it).
-    # On a CPU the score is the step's forward, a jit named `step` (serving/host_inputs.py
+    # On a CPU the score is the step's forward, a jit named `step` (serving/engine/host_inputs.py
     # `SplitScore`): there the corrupt score entry below is its one trace
     assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == n_step + 1
     assert warm["traced"].get("step", 0) == (1 if split else 0)
@@ -251,13 +252,13 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
 
 
 def test_shape_set_is_bounded_and_covers_every_step():
-    from serving.shapes import ShapeSet
+    from serving.engine.shapes import ShapeSet
 
     s = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512,
                        min_tokens_bucket=16)  # fmt: skip
     assert s.tokens == (16, 32, 64, 128, 256, 512) and s.pages == (32, 128, 512)
     # the default smallest bucket: the CPU kernels' 8-row dot block on a CPU, with a 1-token
-    # bucket below it (batch-1 decode: serving/shapes.py single_token_bucket), 16 elsewhere
+    # bucket below it (batch-1 decode: serving/engine/shapes.py single_token_bucket), 16 elsewhere
     # (no 1-token bucket where the small row blocks are not verified: pallas_kernels/xla_fixed.py)
     from pallas_kernels import xla_fixed
 

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.router import label_series, merge_families, ranking, route_key
+from serving.http.router import label_series, merge_families, ranking, route_key
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
@@ -233,7 +233,7 @@ def serve_mixed_load_then_kill_a_replica(proc, base, serving_model_dir):
     # the router alone in front of replicas it did not start (an orchestrator's pods)
     urls = ",".join(f"http://127.0.0.1:{r['port']}" for r in h["replicas"])
     port = free_port()
-    alone = subprocess.Popen([sys.executable, "-m", "serving.router", "--replicas", urls,
+    alone = subprocess.Popen([sys.executable, "-m", "serving.http.router", "--replicas", urls,
                               "--port", str(port), "--log-level", "warning"],
                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     try:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from serving.llm_backend import generate
+from serving.engine.llm_backend import generate
 from tests.serving.test_engine_invariance import PROBES, make_engine, run
 
 MODE = "none"  # behaviour, not bits: the fast plain-XLA mode keeps these tests cheap
@@ -196,7 +196,7 @@ def test_stream_backend_yields_deltas_of_the_generate_text_and_frees_pages_when_
     serving_model,
 ):
     import jdet
-    from serving.llm_backend import stream
+    from serving.engine.llm_backend import stream
 
     eng = make_engine(serving_model, MODE)
     ids = serving_model.tokenizer("hello world")["input_ids"]
@@ -217,7 +217,7 @@ def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
 
     def jitted(fn):  # each runner wraps the shared jit in its own fronts: the executable
         from jdet.exec_cache import CachedFn  # cache's, and the step's packed host inputs'
-        from serving.host_inputs import PackedStep
+        from serving.engine.host_inputs import PackedStep
 
         fn = fn.fn if isinstance(fn, PackedStep) else fn
         return fn.fn if isinstance(fn, CachedFn) else fn
@@ -271,7 +271,7 @@ def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(ser
 def test_negative_control_without_attribution_the_fault_ends_every_request(serving_model):
     """The same fault, with culprit-finding disabled: the step fails for all, which the test
     above would see as missing outputs. The engine still recovers to a clean, usable state."""
-    from serving.faults import EngineStepError
+    from serving.engine.faults import EngineStepError
 
     eng, reqs, fired = _fault_scenario(serving_model, isolate=False)
     with pytest.raises(EngineStepError, match="OverflowError"):
@@ -287,7 +287,7 @@ def test_negative_control_without_attribution_the_fault_ends_every_request(servi
 def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(serving_model):
     """A failing device step (here: the dispatch raises) is nobody's fault: every request ends,
     the pages and prefix cache are reset, and later requests get the same bits as before."""
-    from serving.faults import EngineStepError
+    from serving.engine.faults import EngineStepError
     from tests.serving.test_engine_invariance import bits
 
     eng = make_engine(serving_model, "tp")

@@ -20,9 +20,9 @@ import random
 import numpy as np
 import pytest
 
-from serving.engine import Engine
-from serving.llm_backend import score
-from serving.page_manager import PageManager
+from serving.engine.engine import Engine
+from serving.engine.llm_backend import score
+from serving.engine.page_manager import PageManager
 
 # One xdist worker for the whole module: its tests share the reference runs and compiled steps
 # (tests/conftest.py: --dist loadgroup).

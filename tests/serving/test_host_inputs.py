@@ -1,6 +1,6 @@
 """A step's small host arrays travel packed in one uint32 array and are cut back apart inside the
-step executable (serving/host_inputs.py): every field must come back bitwise (-0.0, NaN payloads,
-large uint32 seeds included), and the layout must be a function of the shapes alone (one
+step executable (serving/engine/host_inputs.py): every field must come back bitwise (-0.0, NaN
+payloads, large uint32 seeds included), and the layout must be a function of the shapes alone (one
 executable per step shape)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from jdet.batch import StepBatch
 from jdet.step import SamplingInputs
-from serving.host_inputs import PACKED_BATCH, PACKED_SAMPLING, Layout, pack
+from serving.engine.host_inputs import PACKED_BATCH, PACKED_SAMPLING, Layout, pack
 
 
 def _inputs(seed: int, T: int = 8, S: int = 4, P: int = 3):

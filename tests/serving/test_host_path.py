@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import Engine
-from serving.sampler_variants import FULL, LEAN
+from serving.engine.engine import Engine
+from serving.engine.sampler_variants import FULL, LEAN
 from tests.serving.test_async import SETTINGS as ASYNC_SETTINGS
 
 # test_async.py's engine with a token budget of 16 (32 there): the step shapes this module runs
@@ -42,7 +42,7 @@ def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
 def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeypatch):
     """The rows prepare_ahead keeps belong to one plan; another plan (other sequences or order)
     gets its own, each row that of its sequence."""
-    from serving import sampler_variants
+    from serving.engine import sampler_variants
 
     monkeypatch.setattr(sampler_variants, "VARIANTS", (LEAN, FULL))  # a GPU's set, on a CPU too
     eng = Engine(serving_model, **SETTINGS)
@@ -80,7 +80,7 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeyp
 def _generate(model, monkeypatch, decode_path) -> dict:
     """Outputs of a mixed request set through the synchronous engine, with `decode_path`
     standing in for ModelRunner._prepare_decode (None: the general build_batch path)."""
-    from serving.model_runner import ModelRunner
+    from serving.engine.model_runner import ModelRunner
 
     if decode_path is not None:
         monkeypatch.setattr(ModelRunner, "_prepare_decode", decode_path)
@@ -105,7 +105,7 @@ def test_decode_fast_path_gives_the_general_paths_bits(serving_model, monkeypatc
     """The synchronous engine's decode steps (decode_batch + the plan's kept sampling rows) give
     the bits of build_batch's general path: tokens, log-probs, top log-probs, greedy and seeded,
     top-k/top-p, n > 1, and a penalised row (which takes the general path itself)."""
-    from serving.model_runner import ModelRunner
+    from serving.engine.model_runner import ModelRunner
 
     real = ModelRunner._prepare_decode
     calls = []

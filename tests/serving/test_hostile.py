@@ -40,8 +40,8 @@ def free_port() -> int:
 def hostile_server(serving_model):
     import uvicorn
 
-    from serving.engine import Engine
-    from serving.server import build_app
+    from serving.engine.engine import Engine
+    from serving.http.server import build_app
 
     eng = Engine(
         serving_model, invariance="tp", max_model_len=256, page_size=8, num_pages=128,
@@ -376,7 +376,7 @@ def test_api_key_comes_from_the_environment_and_metrics_can_be_opened(serving_mo
     import uvicorn
     from fastapi.testclient import TestClient
 
-    from serving import launch
+    from serving.http import launch
 
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))

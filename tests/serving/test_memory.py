@@ -1,4 +1,4 @@
-"""The KV pool's size on a device with a memory limit (serving/memory.py).
+"""The KV pool's size on a device with a memory limit (serving/engine/memory.py).
 
 A CPU reports no memory limit, so the GPU's sizing runs here under a simulated one: the device's
 limit and bytes in use are stated, the step's peak is XLA's memory analysis of the real compiled
@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving import engine as engine_mod
-from serving import memory
-from serving.engine import Engine
+from serving.engine import engine as engine_mod
+from serving.engine import memory
+from serving.engine.engine import Engine
 
 SETTINGS = dict(max_num_batched_tokens=16, max_num_seqs=4, invariance="tp")
 

@@ -26,7 +26,7 @@ def test_default_engine_fits_and_runs_its_largest_shape(invariance):
     from jdet.config import ModelConfig
     from jdet.loader import Model
     from jdet.params import init_params
-    from serving import sampler_variants
+    from serving.engine import sampler_variants
 
     gc.collect()  # the other mode's engine and weights
     cfg = ModelConfig.from_hf(LLAMA3_8B)

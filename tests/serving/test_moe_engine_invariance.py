@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from jdet import train
-from serving.llm_backend import score
-from serving.page_manager import PageManager
+from serving.engine.llm_backend import score
+from serving.engine.page_manager import PageManager
 from tests.conftest import write_hf_checkpoint
 from tests.serving.test_engine_invariance import (
     NUM_PAGES,
@@ -73,7 +73,7 @@ def engines(moe_model):
     """mode -> (engine, reference probe outputs alone). "none" runs the control's experts."""
     import jdet.ops
     import jdet.step
-    import serving.host_inputs
+    import serving.engine.host_inputs
 
     mp = pytest.MonkeyPatch()
     original = jdet.ops.Ops.grouped_matmul
@@ -87,8 +87,8 @@ def engines(moe_model):
     # traced afresh for this module (the patch must not leak into cached steps elsewhere)
     mp.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     mp.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
-    mp.setattr(serving.host_inputs, "_split_step_fn",
-               serving.host_inputs._split_step_fn.__wrapped__)  # fmt: skip
+    mp.setattr(serving.engine.host_inputs, "_split_step_fn",
+               serving.engine.host_inputs._split_step_fn.__wrapped__)  # fmt: skip
     out = {}
     for mode in MODES:
         eng = make_engine(moe_model, mode)

@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving import router
-from serving.router import ReplicaSet, build_router
+from serving.http import router
+from serving.http.router import ReplicaSet, build_router
 
 
 def free_port() -> int:

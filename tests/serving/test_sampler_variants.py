@@ -1,4 +1,5 @@
-"""The engine picks the sampler variant of each step from its rows (serving/sampler_variants.py):
+"""The engine picks the sampler variant of each step from its rows
+(serving/engine/sampler_variants.py):
 the lean one (no top-k/top-p filter, no top log-probs) when no row needs either, else the full
 one. A request's tokens, log-probs and top log-probs are bitwise the same alone (its own
 variant) and batched with requests that need the other (np.array_equal), greedy and seeded,
@@ -14,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving import sampler_variants
-from serving.engine import Engine
-from serving.faults import EngineStepError
-from serving.sampler_variants import FULL, GREEDY, LEAN, ON_DEMAND
+from serving.engine import sampler_variants
+from serving.engine.engine import Engine
+from serving.engine.faults import EngineStepError
+from serving.engine.sampler_variants import FULL, GREEDY, LEAN, ON_DEMAND
 
 # One shape: T = S = 32 (a decode step's S bucket = its T bucket: it can go ahead), Pmax 8; so
 # two executables, lean and full.

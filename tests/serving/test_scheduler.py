@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from serving.page_manager import PageManager, page_hash
+from serving.engine.page_manager import PageManager, page_hash
+from serving.engine.scheduler import Scheduler
 from serving.sampling_options import SamplingOptions
-from serving.scheduler import Scheduler
 from serving.sequence import Sequence, Status, derive_seed
 
 

@@ -1,4 +1,4 @@
-"""Score requests scheduled by the one scheduler (serving/scoring.py) on a tiny random Qwen3.
+"""Score requests scheduled by the one scheduler (serving/engine/scoring.py) on a tiny random Qwen3.
 
 A score request's log-probs must be bitwise those of the same request scored alone, and the
 sampling requests beside it bitwise theirs, whether the two kinds share engine steps, the score
@@ -15,9 +15,9 @@ import random
 import numpy as np
 import pytest
 
-from serving.engine import Engine
+from serving.engine.engine import Engine
+from serving.engine.scheduler import Scheduler
 from serving.sampling_options import InvalidRequest
-from serving.scheduler import Scheduler
 
 PAGE = 8
 MAX_LEN = 72

@@ -335,8 +335,8 @@ def test_chat_on_a_model_without_chat_template_is_a_400(serving_model):
 
     from fastapi.testclient import TestClient
 
-    from serving.engine import Engine
-    from serving.server import build_app
+    from serving.engine.engine import Engine
+    from serving.http.server import build_app
 
     model = copy.copy(serving_model)
     model.tokenizer = copy.deepcopy(serving_model.tokenizer)

@@ -1,6 +1,6 @@
 """Token buckets below 8 rows keep the invariance contract (issue 17): `min_tokens_bucket` 1 and 4,
-and a CPU engine's default buckets, whose first is 1 (serving/shapes.py `single_token_bucket`: a
-batch-1 decode runs 2-row dots, pallas_kernels/xla_fixed.py `row_block`).
+and a CPU engine's default buckets, whose first is 1 (serving/engine/shapes.py
+`single_token_bucket`: a batch-1 decode runs 2-row dots, pallas_kernels/xla_fixed.py `row_block`).
 
 On a CPU these engines used to leave `score()`'s bits: greedy decode of the embedded model from
 output 23 on (BENCHMARKS.md, session 10), because the query's RoPE of a 1-4 row step rounded
@@ -102,7 +102,7 @@ def test_jdet_generate_keeps_its_one_step_shape_without_the_1_token_bucket():
     bucket would be a second compile in a one-shot run."""
     from jdet.cli import _one_shape_budget
     from jdet.settings import EngineConfig
-    from serving.shapes import ShapeSet
+    from serving.engine.shapes import ShapeSet
 
     cfg = _one_shape_budget(EngineConfig(), None)
     shapes = ShapeSet.build(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=8,

@@ -30,11 +30,11 @@ PARAMS = jdet.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 def _decode(model, monkeypatch) -> tuple[jdet.LLM, list, list]:
     """(engine, outputs decoded together (T = 8 steps), each decoded alone (T = 1))."""
     # The 1-token bucket asked for: by default it exists only where the small row blocks are
-    # verified (serving/shapes.py `single_token_bucket`; elsewhere a T = 1 step runs 8-row dots),
-    # and the T = 1 step is what this tests, everywhere.
-    import serving.shapes
+    # verified (serving/engine/shapes.py `single_token_bucket`; elsewhere a T = 1 step runs 8-row
+    # dots), and the T = 1 step is what this tests, everywhere.
+    import serving.engine.shapes
 
-    monkeypatch.setattr(serving.shapes, "single_token_bucket", lambda: True)
+    monkeypatch.setattr(serving.engine.shapes, "single_token_bucket", lambda: True)
     # a budget of 8 and short sequences: two step shapes (T = 1, 8) and one score shape compile
     llm = jdet.LLM(model, invariance="tp", warmup=False, max_num_batched_tokens=8,
                    max_model_len=64, num_pages=16)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Adaptive K (serving/spec_adaptive.py): a request whose drafts keep being rejected decodes
+"""Adaptive K (serving/speculative/adaptive.py): a request whose drafts keep being rejected decodes
 without drafts, and steps where no request drafts are dispatched ahead (async scheduling).
 Neither may change a bit in exact mode: each run is compared with the plain synchronous engine
 with np.array_equal (tokens, log-probs, top log-probs, text, finish reasons), and each checks
@@ -15,7 +15,7 @@ from jdet import compile_cache
 from jdet.spec_config import SpeculativeConfig
 from serving.sampling_options import SamplingOptions
 from serving.sequence import Sequence
-from serving.spec_adaptive import WARMUP, AdaptiveK
+from serving.speculative.adaptive import WARMUP, AdaptiveK
 from tests.serving.test_speculative import (
     PARAMS,
     PROMPTS,
@@ -125,7 +125,7 @@ def _rejection_async_vs_sync(
 def test_rejection_bits_do_not_depend_on_async_scheduling(serving_model, method, request):
     """Rejection mode: which positions are rejection-sampled is part of the bits, and adaptive
     K decides it; its decisions look at the tokens before the step's input token only, which a
-    dispatched-ahead step and a synchronous one both know (serving/spec_adaptive.py). So the
+    dispatched-ahead step and a synchronous one both know (serving/speculative/adaptive.py). So the
     same requests give the same bits with async scheduling on and off; checked that the async
     run went ahead, fell back and verified. Drafts: the self draft, a random draft model."""
     dm = request.getfixturevalue("random_draft") if method == "draft" else None
@@ -225,8 +225,8 @@ def test_a_lookup_that_finds_nothing_is_not_a_miss_and_dry_steps_go_ahead():
     request must not fall back between copies), and after DRY such lookups in a row the
     sequence's steps may go ahead; one whose lookup finds a draft may not. Control: the same
     calls on a sequence whose lookup proposes a draft give the opposite answer."""
-    from serving.spec_adaptive import DRY
-    from serving.speculative import Speculator
+    from serving.speculative.adaptive import DRY
+    from serving.speculative.speculator import Speculator
 
     spec = Speculator(SpeculativeConfig(), max_model_len=4096)
     dry = _seq(list(range(1, 30)))  # no token repeats: the lookup finds nothing
@@ -316,7 +316,7 @@ def test_fast_ngram_lookup_equals_the_sliding_window_one():
     variant differs on the same inputs (the inputs can tell lookups apart)."""
     import random
 
-    from serving.speculative import ngram_draft
+    from serving.speculative.speculator import ngram_draft
 
     r = random.Random(5)
     cases = []
@@ -355,7 +355,7 @@ def test_the_speculators_token_arrays_follow_the_sequence():
     token. A stale array would change no bit (exact mode), only the drafts, so it is checked
     here. Control: an append-only array (no check that its tokens are still the sequence's)
     fails the same loop."""
-    from serving.speculative import Speculator
+    from serving.speculative.speculator import Speculator
 
     spec = Speculator(SpeculativeConfig(), max_model_len=4096)
     assert _follow(spec._tokens) is None

@@ -1,4 +1,5 @@
-"""Rejection mode's bits do not depend on the load (serving/scheduler.py, serving/speculative.py).
+"""Rejection mode's bits do not depend on the load (serving/engine/scheduler.py,
+serving/speculative/speculator.py).
 
 In `verify="rejection"` which positions are rejection-sampled is part of the bits, so each of a
 request's verifies must hold the drafts its own state asks for, whatever else runs. Each test
@@ -19,10 +20,10 @@ import numpy as np
 import pytest
 
 from jdet.spec_config import SpeculativeConfig
-from serving.engine import Engine
-from serving.scheduler import Scheduler
+from serving.engine.engine import Engine
+from serving.engine.scheduler import Scheduler
 from serving.sequence import Status
-from serving.speculative import Speculator
+from serving.speculative.speculator import Speculator
 from tests.serving.test_speculative import (
     PROMPTS,
     make_engine,

@@ -1,4 +1,4 @@
-"""The scheduler's speculative rules, without a model (serving/scheduler.py).
+"""The scheduler's speculative rules, without a model (serving/engine/scheduler.py).
 
 Exact mode cuts a verify's drafts to what the budget and the free pages leave (no bit depends on
 it); rejection mode (`verify_tokens` = K + 1) schedules a verify whole or defers it, and a
@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from serving.page_manager import PageManager
-from serving.scheduler import Scheduler
+from serving.engine.page_manager import PageManager
+from serving.engine.scheduler import Scheduler
 from serving.sequence import Sequence, Status
 from tests.serving.test_scheduler import all_seqs, fake_step, make_seq
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with verify="exact" changes no bit (serving/speculative.py).
+"""Speculative decoding with verify="exact" changes no bit (serving/speculative/speculator.py).
 
 Every test runs the same requests on a plain engine and on a speculative one and compares tokens,
 log-probs, top log-probs, text and finish reasons with `np.array_equal`/`==`: greedy and seeded
@@ -21,8 +21,8 @@ import pytest
 
 import jdet
 from jdet.spec_config import SpeculativeConfig
-from serving.engine import Engine
-from serving.speculative import Speculator, ngram_draft
+from serving.engine.engine import Engine
+from serving.speculative.speculator import Speculator, ngram_draft
 
 # One xdist worker for the whole module: its tests share the reference outputs and compiled steps
 # (tests/conftest.py: --dist loadgroup).
@@ -430,7 +430,7 @@ def test_fingerprint_changes_only_where_the_bits_can(serving_model):
     rej3 = jdet.LLM(serving_model, **kw, speculative=dict(num_tokens=3, verify="rejection"))
     assert exact == plain
     assert rej.fingerprint() != plain and rej3.fingerprint() != rej.fingerprint()
-    from serving.launch import server_fingerprint  # the server's: the same rule
+    from serving.http.launch import server_fingerprint  # the server's: the same rule
 
     assert server_fingerprint(serving_model, rej.engine) == rej.fingerprint()
 

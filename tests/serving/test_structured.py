@@ -168,8 +168,8 @@ def test_server_fields(serving_model):
     """response_format / guided_* / penalties / logit_bias / echo over HTTP (tiny model)."""
     from fastapi.testclient import TestClient
 
-    from serving.engine import Engine
-    from serving.server import build_app
+    from serving.engine.engine import Engine
+    from serving.http.server import build_app
 
     eng = Engine(serving_model, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
                  page_size=16, min_tokens_bucket=64)  # fmt: skip
@@ -207,9 +207,9 @@ def test_server_fields(serving_model):
 def test_server_chat_template_override(serving_model, tmp_path):
     from fastapi.testclient import TestClient
 
-    from serving.engine import Engine
-    from serving.launch import read_chat_template
-    from serving.server import build_app
+    from serving.engine.engine import Engine
+    from serving.http.launch import read_chat_template
+    from serving.http.server import build_app
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")

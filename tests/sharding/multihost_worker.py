@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 import jdet
-from serving.launch import serve
+from serving.http.launch import serve
 
 # one step shape (T = 8: no 1-token decode bucket), so each process compiles one forward
 SHAPES = dict(max_num_batched_tokens=8, min_tokens_bucket=8)

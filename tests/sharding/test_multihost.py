@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jdet
-from serving import multihost
+from serving.engine import multihost
 from serving.sampling_options import SamplingOptions
 from sharding.distributed import EXIT_PEER_LOST, Cluster, ProcessSpec, resolve
 from tests.sharding.multihost_worker import PROMPTS, SHAPES, requests, run

@@ -27,7 +27,7 @@ to zero). A preempted sequence recomputes from its tokens, which are all target 
 
 Finishing inside an accepted run: tokens are emitted one at a time with the engine's own checks
 (EOS, stop token, max_tokens, max_model_len: `num_emitted` stops at the first that ends the
-sequence) and stop strings are matched token by token (serving/outputs.py `detokenize`), so a
+sequence) and stop strings are matched token by token (serving/engine/outputs.py `detokenize`), so a
 sequence ends at the same token as without speculation; its later accepted tokens are dropped.
 
 Budget and shapes: draft tokens count against the step's token budget; they are scheduled after
@@ -41,7 +41,8 @@ Not drafted (decoded one token at a time, as without speculation): requests with
 transforms or structured output (`needs_logits_inputs`: their per-row inputs depend on the
 tokens before the row, which the draft has not confirmed yet).
 
-Rejection mode (seed 001, `verify="rejection"`, serving/rejection.py `rejection_sample`): accept
+Rejection mode (seed 001, `verify="rejection"`, serving/speculative/rejection.py
+`rejection_sample`): accept
 draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness keyed
 by (seed, position) on streams of its own. It preserves the target's distribution, not its bits (an
 accepted draft is the draft's draw), so it alone changes the system fingerprint. For n-gram
@@ -62,10 +63,10 @@ import jax
 import numpy as np
 
 from jdet.spec_config import SpeculativeConfig
-from serving.draft_model import ModelDraft
-from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence, Status, num_rows
-from serving.spec_adaptive import AdaptiveK
+from serving.speculative.adaptive import AdaptiveK
+from serving.speculative.draft_model import ModelDraft
+from serving.speculative.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 
 
 def ngram_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -147,7 +148,7 @@ class Speculator:
         so `plan` must verify nothing): with adaptive K on, when every sequence of it decodes
         without drafts next step anyway, because it has fallen back, or (n-gram) because its
         lookups ran dry (the last DRY found nothing, the one on its latest tokens on the host,
-        run here, included: serving/spec_adaptive.py). That lookup lags one token (the
+        run here, included: serving/speculative/adaptive.py). That lookup lags one token (the
         input of the step in flight is known, its output is not): a match that appears with
         that output is drafted one step later. min_alpha=0 (always draft) never goes ahead."""
         a = self.adaptive
@@ -162,8 +163,8 @@ class Speculator:
 
     def _dry(self, seq: Sequence) -> bool:
         """n-gram: whether the lookup on `seq`'s tokens so far proposes nothing, as the last
-        DRY - 1 did (serving/spec_adaptive.py). A model draft always proposes. Exact mode only:
-        in rejection mode which positions verify is part of the bits, and this lookup's lag
+        DRY - 1 did (serving/speculative/adaptive.py). A model draft always proposes. Exact mode
+        only: in rejection mode which positions verify is part of the bits, and this lookup's lag
         would make them depend on async scheduling, which the fingerprint does not hold."""
         if self.model_draft is not None or self.adaptive is None or self.rejection:
             return False
@@ -258,7 +259,7 @@ class Speculator:
                 continue
             k = self.room(seq)
             if k > 0 and self.adaptive is not None and not self.adaptive.drafts(seq):
-                continue  # low acceptance: K = 0, a plain decode (serving/spec_adaptive.py)
+                continue  # low acceptance: K = 0, a plain decode (serving/speculative/adaptive.py)
             if k > 0 and self.model_draft is not None:
                 seq.draft_token_ids = [-1] * k
             elif k > 0:

@@ -3,7 +3,7 @@
 Why parse by hand instead of FastAPI's body binding: every failure (malformed JSON, wrong type,
 out-of-range value, unsupported feature) must answer in the OpenAI error format with the field in
 `param`, and nothing invalid may reach the engine thread. Checks that need the model (vocabulary,
-`max_model_len`, chat template) and the parsing itself are in serving/request_parsing.py
+`max_model_len`, chat template) and the parsing itself are in serving/http/request_parsing.py
 (`parse`, `check_prompt`, `sampling_options`, called by the server); they end in the shared
 boundary check of jdet/request_fields.py (`check`, `check_prompt_ids`) that `jdet.LLM` and the
 engine use too.

@@ -4,7 +4,7 @@ strings, matched token by token across token boundaries).
 
 Why "Update": these are the engine's streaming states (cumulative text and tokens plus the delta
 since the last report, the seed, timings); the offline API turns a request's final update into
-the public `jdet.RequestOutput` (jdet/sampling_params.py; serving/llm_backend.py).
+the public `jdet.RequestOutput` (jdet/sampling_params.py; serving/engine/llm_backend.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RequestUpdate:
     num_preemptions: int = 0  # recompute preemptions its samples went through
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine ended this request (finish_reason "error")
-    # a score request's log-probs (serving/scoring.py): scores[i - 1] = log p(t_i | t_<i)
+    # a score request's log-probs (serving/engine/scoring.py): scores[i - 1] = log p(t_i | t_<i)
     scores: list[float] | None = None
 
 
@@ -171,7 +171,7 @@ def request_update(req: Request, now: float, metrics: Any) -> RequestUpdate:
 
 
 class Reporting:
-    """`Engine._report` (serving/engine.py mixes it in): what a step shows its callers."""
+    """`Engine._report` (serving/engine/engine.py mixes it in): what a step shows its callers."""
 
     def _report(self) -> list[RequestUpdate]:
         """Detokenise pending sequences, apply stop strings, and build the per-request outputs."""

@@ -1,7 +1,7 @@
 """Warm-up: compile (or load from the caches) the engine's step and score for every shape of its
 bounded set before it serves, each on a junk batch that writes no K/V (so it is safe at any time,
-even beside running sequences). Split out of serving/model_runner.py; `ModelRunner.warmup` and
-`ModelRunner.warmup_batch` call these."""
+even beside running sequences). Split out of serving/engine/model_runner.py; `ModelRunner.warmup`
+and `ModelRunner.warmup_batch` call these."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from jdet import exec_cache
 from jdet.batch import StepBatch
 from jdet.step import SamplingInputs
-from serving import sampler_variants
+from serving.engine import sampler_variants
 
 
 def warmup_batch(
@@ -71,7 +71,7 @@ def warmup(
     runner: Any, kind: str = "step", progress: bool = True, should_stop: Any = None
 ) -> float:
     """Compile (or load from the persistent cache) `kind` ("step" or "score") for every shape
-    of the set — a step for each sampler variant a step may run (serving/sampler_variants.py)
+    of the set — a step for each sampler variant a step may run (serving/engine/sampler_variants.py)
     — then run each once on a junk batch that writes nothing: safe at any time. The compiles
     run in `warmup_workers()` threads, the runs one after another (they share the device and
     the donated cache). Shows a tqdm bar naming shape k of n and the seconds its compile took.

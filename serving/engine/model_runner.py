@@ -1,6 +1,6 @@
 """Scheduled sequences -> one padded `StepBatch` + `SamplingInputs` -> the jitted step.
 
-It runs only the shapes of its `ShapeSet` (serving/shapes.py: why a bounded set, what padding
+It runs only the shapes of its `ShapeSet` (serving/engine/shapes.py: why a bounded set, what padding
 costs, why it never changes a real row's bits), all compiled by `warmup()` before it serves.
 
 Why `dispatch` and `fetch` are separate: JAX dispatch is asynchronous, so the engine dispatches
@@ -27,14 +27,14 @@ from jdet.ops import Ops
 from jdet.plan import Plan
 from jdet.step import SamplingInputs, make_score_fn, make_step_fn
 from jdet.tp_layout import kv_heads_in_cache
-from serving import host_inputs as hi
-from serving import sampler_variants
-from serving.host_inputs import SplitScore
-from serving.logits_rows import LogitsRows
-from serving.page_manager import cdiv
+from serving.constrained.logits_rows import LogitsRows
+from serving.engine import host_inputs as hi
+from serving.engine import sampler_variants
+from serving.engine.host_inputs import SplitScore
+from serving.engine.page_manager import cdiv
+from serving.engine.shapes import ShapeSet
+from serving.engine.warmup import warmup, warmup_batch
 from serving.sequence import Sequence, num_rows, step_tokens
-from serving.shapes import ShapeSet
-from serving.warmup import warmup, warmup_batch
 from sharding.mesh import TP_AXIS
 from sharding.tp import make_tp_runtime
 
@@ -70,7 +70,8 @@ class ModelRunner:
         rows_per_seq: int = 1,
     ) -> None:
         """`rows_per_seq`: sampled rows one sequence may take in a step (K + 1 with speculative
-        decoding, serving/speculative.py): the S bucket allows max_num_seqs of that many."""
+        decoding, serving/speculative/speculator.py): the S bucket allows max_num_seqs of that
+        many."""
         self.cfg = model.cfg
         self.params = model.params
         self.page_size = page_size
@@ -119,7 +120,7 @@ class ModelRunner:
         self._mesh = rt.mesh if sharded and step_fn is None else None
         # host token ids -> the device, placed as token_sharding (see place_tokens)
         self._put_tokens = jax.jit(lambda t: t, out_shardings=self.token_sharding)
-        # per-request logits transforms and structured output (serving/logits_rows.py)
+        # per-request logits transforms and structured output (serving/constrained/logits_rows.py)
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
@@ -130,7 +131,7 @@ class ModelRunner:
         self.variants = sampler_variants.engine_variants()
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
-            # its small host arrays travel in one copy (serving/host_inputs.py says why)
+            # its small host arrays travel in one copy (serving/engine/host_inputs.py says why)
             if hi.split_step_here():  # a CPU: the forward, then the sampler
                 forward, sampler, logprobs = hi.split_step_fn(self.cfg, invariance, self._mesh)
                 self.step_fn = hi.SplitStep(self._exec_cached(forward, "forward"), sampler)
@@ -152,7 +153,7 @@ class ModelRunner:
 
     def abstract_kv(self, num_pages: int) -> dict:
         """The pool of `num_pages` pages as shapes and placements only (nothing allocated):
-        what a compile for memory analysis takes (serving/memory.py)."""
+        what a compile for memory analysis takes (serving/engine/memory.py)."""
         heads = self.cfg.num_kv_heads
         if self._mesh is not None:
             heads = kv_heads_in_cache(self.cfg, self.tp)
@@ -173,8 +174,8 @@ class ModelRunner:
 
     def score_step(self) -> Callable:
         """The teacher-forced score function matching this runner's step: on a CPU in "tp" and
-        "batch" the step's own forward, then the sampler's log-softmax (serving/host_inputs.py
-        `SplitScore`)."""
+        "batch" the step's own forward, then the sampler's log-softmax
+        (serving/engine/host_inputs.py `SplitScore`)."""
         if not self._score_cached:
             if self._split_score is not None:
                 forward, logprobs = self._split_score
@@ -209,7 +210,7 @@ class ModelRunner:
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
         """The padded numpy StepBatch and SamplingInputs for `plan` (sequences that sample): one
         sampled row per sequence, k + 1 for a speculative verify of k drafts
-        (serving/speculative.py)."""
+        (serving/speculative/speculator.py)."""
         T = sum(n for _, n in plan)
         R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify
         Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
@@ -345,7 +346,7 @@ class ModelRunner:
 
     def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
         """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
-        sequences and its sampler variant (serving/sampler_variants.py `Variant`),
+        sequences and its sampler variant (serving/engine/sampler_variants.py `Variant`),
         or None if one of them needs LogitsInputs. Kept for the last plan: a steady
         decode dispatches the same sequences step after step, and a sequence's options and seed
         never change, so the arrays are built once, not once a step (the step only reads them:
@@ -369,11 +370,11 @@ class ModelRunner:
         self, shape: tuple[int, int, int], kind: str = "step",
         variant: sampler_variants.Variant = sampler_variants.FULL,
     ) -> tuple[Any, Any]:  # fmt: skip
-        """A junk batch of `shape` that writes no K/V (serving/warmup.py `warmup_batch`)."""
+        """A junk batch of `shape` that writes no K/V (serving/engine/warmup.py `warmup_batch`)."""
         return warmup_batch(self, shape, kind, variant)
 
     def warmup(self, kind: str = "step", progress: bool = True, should_stop: Any = None) -> float:
-        """Compile (or load) `kind` for every shape of the set (serving/warmup.py `warmup`);
+        """Compile (or load) `kind` for every shape of the set (serving/engine/warmup.py `warmup`);
         returns the seconds."""
         return warmup(self, kind, progress, should_stop)
 
@@ -399,7 +400,7 @@ class ModelRunner:
     @staticmethod
     def fetch(out: Any, num_rows: int, want_top: bool) -> dict[str, np.ndarray]:
         """Block on a dispatched step and bring its first `num_rows` samples to the host."""
-        if want_top and out.top_ids.shape[-1] == 0:  # serving/sampler_variants.py: never
+        if want_top and out.top_ids.shape[-1] == 0:  # serving/engine/sampler_variants.py: never
             raise RuntimeError("the step ran the sampler variant without top log-probs, but a "
                                "sequence of it asked for them")  # fmt: skip
         names = ["tokens", "logprobs"] + (["top_ids", "top_logprobs"] if want_top else [])

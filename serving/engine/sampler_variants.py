@@ -87,7 +87,8 @@ def engine_variants() -> tuple[Variant, ...]:
     on a CPU, warmed up or compiling as it goes (`jdet generate` sets its own, `ON_DEMAND`).
 
     Why GREEDY and FULL on a CPU: there the sampler is an executable of its own per (rows,
-    vocabulary, variant) (serving/host_inputs.py `SplitStep`), so a variant costs its sampler's
+    vocabulary, variant) (serving/engine/host_inputs.py `SplitStep`), so a variant costs its
+    sampler's
     compile per row bucket, not a step per shape. GREEDY's is 0.03 s (V = 8192, N = 8; FULL
     0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
     greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at

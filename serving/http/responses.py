@@ -12,8 +12,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.outputs import CompletionUpdate, RequestUpdate
-from serving.protocol import RequestError
+from serving.engine.outputs import CompletionUpdate, RequestUpdate
+from serving.http.protocol import RequestError
 
 log = logging.getLogger("jdet.server")
 

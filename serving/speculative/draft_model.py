@@ -1,6 +1,6 @@
 """Drafts from a model for speculative decoding: the target's first layers ("self") or a small
-model sharing its vocabulary ("draft"); see `ModelDraft`. Speculator (serving/speculative.py)
-owns one when SpeculativeConfig.method is "self" or "draft".
+model sharing its vocabulary ("draft"); see `ModelDraft`. Speculator
+(serving/speculative/speculator.py) owns one when SpeculativeConfig.method is "self" or "draft".
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from jdet.loader import DEFAULT_MODEL_DIR, Model, load
 from jdet.ops import Ops
 from jdet.spec_config import SpeculativeConfig
 from jdet.step import SamplingInputs, make_step_fn
-from serving.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 from serving.sequence import Sequence
+from serving.speculative.rejection import RejectionStep, SpecSampling, mesh_of, rejection_step
 
 
 class ModelDraft:

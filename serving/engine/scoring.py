@@ -17,7 +17,8 @@ Why a mixed step (`Engine.num_mixed_steps` counts them) is two device calls, not
 one would be a third function kind, a forward over both batches merged with the LM head on every
 score row and the sampled rows, returning samples and log-probs. Its bits would be the same in
 the invariant modes, but (1) the engine compiles every shape of every kind before it serves
-(serving/shapes.py); a merged kind is a third shape set, whose logits rows follow the T bucket,
+(serving/engine/shapes.py); a merged kind is a third shape set, whose logits rows follow the T
+bucket,
 compiled by every engine that may score or else mid-serving (the stall warm-up exists to avoid);
 (2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend on
 whether a score request shared its step; (3) the step's other consumers (dispatch-ahead, the
@@ -26,7 +27,7 @@ of two calls is a second pass over the weights in a mixed step (a decode-bound s
 twice); no measurement yet says it is worth a third kind.
 
 Prefix cache: a row's log-prob needs that row's logits, so a score request reads cached pages
-only for rows it has already scored (the recompute after a preemption, serving/scheduler.py);
+only for rows it has already scored (the recompute after a preemption, serving/engine/scheduler.py);
 its computed pages are published like any prompt's, so a later request with that prefix hits.
 """
 
@@ -42,7 +43,7 @@ from serving.sequence import Request, Sequence, Status
 
 
 class Scoring:
-    """The score-request methods of serving/engine.py's `Engine` (module docstring)."""
+    """The score-request methods of serving/engine/engine.py's `Engine` (module docstring)."""
 
     requests: dict[str, Request]
     num_mixed_steps: int
@@ -71,7 +72,7 @@ class Scoring:
 
     def _dispatch_score(self, prepared: tuple[Any, np.ndarray] | None) -> Any:
         """Launch this step's score rows (None: none); a separate draft model's cache follows
-        them as it follows every step (serving/draft_model.py `mirror`)."""
+        them as it follows every step (serving/speculative/draft_model.py `mirror`)."""
         if prepared is None:
             return None
         out = self.runner.dispatch_score(*prepared)

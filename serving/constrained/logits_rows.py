@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from jdet.sampling import MAX_LOGIT_BIAS, LogitsInputs
+from serving.constrained.structured import Guide, Structured
 from serving.sampling_options import InvalidRequest, SamplingOptions
 from serving.sequence import Sequence
-from serving.structured import Guide, Structured
 
 
 def _clear(words: np.ndarray, ids: Any) -> None:
@@ -118,7 +118,7 @@ class LogitsRows:
     ) -> LogitsInputs:
         """The step's LogitsInputs: rows of sequences that sample now and use a transform.
         `row_of[s]`: plan entry s's sampled row (default s; a speculative verify takes several
-        rows, but never for a sequence with transforms: serving/speculative.py)."""
+        rows, but never for a sequence with transforms: serving/speculative/speculator.py)."""
         rows = [
             (s if row_of is None else row_of[s], seq)
             for s, (seq, n) in enumerate(plan)

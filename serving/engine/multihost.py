@@ -32,8 +32,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from serving.engine import Engine
-from serving.faults import EngineBroken, EngineStepError
+from serving.engine.engine import Engine
+from serving.engine.faults import EngineBroken, EngineStepError
 from serving.sampling_options import SamplingOptions
 from sharding import distributed
 from sharding.distributed import Cluster

@@ -1,6 +1,6 @@
 """A request body -> a validated request -> the engine's SamplingOptions (the server calls these).
 
-`parse` turns JSON bytes into one of serving/protocol.py's schemas, refusing (as a RequestError
+`parse` turns JSON bytes into one of serving/http/protocol.py's schemas, refusing (as a RequestError
 naming the field) malformed JSON, bodies nested deeper than MAX_JSON_DEPTH, lone surrogates,
 unsupported and unknown fields; `check_prompt` and `sampling_options` add the checks that need the
 model and end in the shared boundary check (jdet/request_fields.py `check`).
@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from jdet.request_fields import did_you_mean
-from serving.protocol import (
+from serving.http.protocol import (
     ACCEPTED_NO_OPS,
     MAX_JSON_DEPTH,
     SAME_AS_JDET,

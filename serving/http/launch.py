@@ -12,10 +12,10 @@ import uvicorn
 from jdet.fingerprint import fingerprint
 from jdet.loader import load
 from jdet.settings import EngineConfig
-from serving import multihost
-from serving.engine import Engine
-from serving.router import serve_data_parallel
-from serving.server import MAX_BODY_BYTES, build_app
+from serving.engine import multihost
+from serving.engine.engine import Engine
+from serving.http.router import serve_data_parallel
+from serving.http.server import MAX_BODY_BYTES, build_app
 from sharding import distributed
 
 
@@ -49,7 +49,7 @@ def serve(
     api_key = api_key or os.environ.get("JDET_API_KEY") or None
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    if data_parallel != 1:  # replicas behind one endpoint (serving/router.py)
+    if data_parallel != 1:  # replicas behind one endpoint (serving/http/router.py)
         replica = replica_settings(
             model, dtype=dtype, served_model_name=served_model_name, log_level=log_level,
             max_body_bytes=max_body_bytes, public_metrics=public_metrics,

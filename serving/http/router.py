@@ -50,8 +50,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from serving.auth import ApiKeyMiddleware
-from serving.protocol import RequestError
+from serving.http.auth import ApiKeyMiddleware
+from serving.http.protocol import RequestError
 
 log = logging.getLogger("jdet.router")
 
@@ -167,7 +167,7 @@ class ReplicaSet:
 
     def command(self, r: Replica) -> list[str]:
         kw = {**self.serve_kwargs, "host": "127.0.0.1", "port": r.port, "data_parallel": 1}
-        return [sys.executable, "-m", "serving.replica", json.dumps(kw)]
+        return [sys.executable, "-m", "serving.http.replica", json.dumps(kw)]
 
     def start(self, r: Replica) -> None:
         env = dict(os.environ)
@@ -577,9 +577,9 @@ def serve_data_parallel(n: int, serve_kwargs: dict, *, host: str, port: int, log
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m serving.router --replicas URL,URL,...`: the router alone, in front of replicas
-    that run elsewhere (docs/deployment.md). The API key, if any, is $JDET_API_KEY."""
-    ap = argparse.ArgumentParser(prog="python -m serving.router", description=main.__doc__)
+    """`python -m serving.http.router --replicas URL,URL,...`: the router alone, in front of
+    replicas that run elsewhere (docs/deployment.md). The API key, if any, is $JDET_API_KEY."""
+    ap = argparse.ArgumentParser(prog="python -m serving.http.router", description=main.__doc__)
     ap.add_argument("--replicas", required=True, help="comma-separated replica base URLs")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from serving.protocol import RequestError
+from serving.http.protocol import RequestError
 
 
 class ApiKeyMiddleware:

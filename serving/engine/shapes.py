@@ -1,8 +1,8 @@
 """The step shapes an engine runs (`ShapeSet`) and the default size of its KV page pool.
 
 Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once per
-sampler variant (serving/sampler_variants.py: two on a GPU, one on a CPU), and a compile costs
-seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
+sampler variant (serving/engine/sampler_variants.py: two on a GPU, one on a CPU), and a compile
+costs seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
 runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
 - T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
   last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU 1, then 8 to 512: 8 buckets,
@@ -10,7 +10,7 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
 - S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
   No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs
   (a decode step dispatched ahead takes the previous step's S sampled tokens padded on the
-  device to its T: serving/model_runner.py `prepare_ahead`);
+  device to its T: serving/engine/model_runner.py `prepare_ahead`);
 - Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
   maximum (a last geometric bucket above half the maximum merges into it): 32, 128, 512 pages
   for max_model_len 8192 at page size 16, i.e. 3 buckets.
@@ -37,7 +37,7 @@ from typing import Any
 import jax
 
 from pallas_kernels import _platform, xla_fixed
-from serving.page_manager import cdiv
+from serving.engine.page_manager import cdiv
 
 PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
 
@@ -143,7 +143,7 @@ def default_num_pages(page_size: int, *, max_model_len: int, max_num_seqs: int) 
     """The pool off a device with a memory limit (a CPU): enough for a full batch of
     max_model_len sequences, at most CPU_MAX_PAGES (16k tokens at page 16: every engine allocates
     and zeroes its pool, ~0.5 s for a 4096-page pool of the embedded model on the 2-core machine),
-    and at least one sequence. A GPU's pool is sized from its memory (serving/memory.py)."""
+    and at least one sequence. A GPU's pool is sized from its memory (serving/engine/memory.py)."""
     one = cdiv(max_model_len, page_size)
     return max(one, min(one * max_num_seqs, CPU_MAX_PAGES))
 

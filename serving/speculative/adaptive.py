@@ -10,7 +10,8 @@ engine dispatches each before the previous one's tokens reach the host (`Engine.
 
 Why it changes no bit (exact mode). How many drafts a step verifies for a sequence, zero
 included, never changes a token: every emitted token is the target's keyed sample at its
-position (serving/speculative.py), and a dispatched-ahead step is the same decode step with its
+position (serving/speculative/speculator.py), and a dispatched-ahead step is the same decode step
+with its
 input token on the device (tests/serving/test_async.py). tests/serving/test_spec_adaptive.py
 compares with np.array_equal.
 

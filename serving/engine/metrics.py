@@ -108,7 +108,7 @@ class SpecCollector:
     """Prometheus collector for `/metrics` (read at scrape time): drafts proposed and accepted,
     verify rows, the acceptance rate and the mean tokens a verify emits."""
 
-    def __init__(self, speculator: Any) -> None:  # serving.speculative.Speculator
+    def __init__(self, speculator: Any) -> None:  # serving.speculative.speculator.Speculator
         self.spec = speculator
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol

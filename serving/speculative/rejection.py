@@ -4,7 +4,8 @@
 norm(max(0, p - q)); p is the target's processed distribution (`target_probs`: temperature,
 top-k, top-p; greedy one-hot), randomness keyed by (seed, position) on streams of its own.
 `rejection_step` is the target's forward on its runtime plus that rule; `RejectionStep` puts it
-in the runner's place. The why and the tests are in serving/speculative.py and docs/speculative.md.
+in the runner's place. The why and the tests are in serving/speculative/speculator.py and
+docs/speculative.md.
 """
 
 from __future__ import annotations

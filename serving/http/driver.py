@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any
 
-from serving.engine import Engine
-from serving.faults import EngineBroken, EngineStepError
-from serving.protocol import RequestError, clip
+from serving.engine.engine import Engine
+from serving.engine.faults import EngineBroken, EngineStepError
+from serving.http.protocol import RequestError, clip
 from serving.sampling_options import SamplingOptions
 
 log = logging.getLogger("jdet.server")

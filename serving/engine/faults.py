@@ -6,7 +6,7 @@ ends only that request with `finish_reason="error"` (`fail_request`: pages freed
 the batch without it; since a row's bits do not depend on the batch, the others' are unchanged.
 An error that belongs to no one request (the device step itself) ends every request, and
 `recover` resets the KV pool and the page accounting and checks them. `FaultIsolation` holds
-these methods of serving/engine.py's `Engine` (it reads the engine's requests, scheduler,
+these methods of serving/engine/engine.py's `Engine` (it reads the engine's requests, scheduler,
 page manager, runner and metrics).
 """
 

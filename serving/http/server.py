@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP server: the FastAPI app (`build_app`) around one engine.
 
-Where the parts live: serving/driver.py runs the engine on its own thread (why one thread, and
-what a failed step does); serving/responses.py holds the streaming and collecting loop both
-endpoints share (each endpoint writes only its choice format); serving/auth.py the API key;
-serving/launch.py `serve` (load, engine, uvicorn); jdet/settings.py the settings.
+Where the parts live: serving/http/driver.py runs the engine on its own thread (why one thread, and
+what a failed step does); serving/http/responses.py holds the streaming and collecting loop both
+endpoints share (each endpoint writes only its choice format); serving/http/auth.py the API key;
+serving/http/launch.py `serve` (load, engine, uvicorn); jdet/settings.py the settings.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with `stream=true`, ending in
 `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus text). Binds 127.0.0.1 by default.
@@ -31,13 +31,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.auth import ApiKeyMiddleware
-from serving.driver import ServerState
-from serving.engine import Engine
-from serving.outputs import RequestUpdate
-from serving.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
-from serving.request_parsing import check_prompt, parse, sampling_options
-from serving.responses import (
+from serving.engine.engine import Engine
+from serving.engine.outputs import RequestUpdate
+from serving.http.auth import ApiKeyMiddleware
+from serving.http.driver import ServerState
+from serving.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
+from serving.http.request_parsing import check_prompt, parse, sampling_options
+from serving.http.responses import (
     ClientGone,
     chat_logprobs,
     collect,

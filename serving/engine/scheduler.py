@@ -17,7 +17,8 @@ needs that row computed.
 Chunk boundaries may fall anywhere: output bits do not depend on them, because the kernels are
 chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
 
-Speculative rejection mode (`verify_tokens` = K + 1; serving/speculative.py): which positions are
+Speculative rejection mode (`verify_tokens` = K + 1; serving/speculative/speculator.py): which
+positions are
 rejection-sampled is part of the bits, so a sequence's verify is never cut to what the budget or
 the free pages leave. A decode with drafts is scheduled whole, oldest first among the decodes
 (pages as a decode gets them, newest preempted first), or deferred to a later step when the budget
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from serving.page_manager import PageManager
+from serving.engine.page_manager import PageManager
 from serving.sequence import Sequence, Status
 
 POLICIES = ("stall_free", "prefill_first")
@@ -105,7 +106,8 @@ class Scheduler:
         return list(plan.items())
 
     def _add_drafts(self, plan: dict, budget: list[int]) -> None:
-        """Speculative decoding (serving/speculative.py): once every decode has its token, each
+        """Speculative decoding (serving/speculative/speculator.py): once every decode has its
+        token, each
         decode (oldest first) also computes its draft tokens, within the budget and the free
         pages (a draft never preempts anyone; it shrinks to what fits)."""
         for seq, n in list(plan.items()):

@@ -35,18 +35,18 @@ from jdet import compile_cache as cc
 from jdet.plan import Plan
 from jdet.settings import EngineConfig, resolve_async
 from jdet.spec_config import SpeculativeConfig
-from serving.faults import EngineStepError, FaultIsolation
-from serving.memory import check_utilization, device_limit, size_pool
-from serving.metrics import EngineMetrics, SpecCollector
-from serving.model_runner import ModelRunner
-from serving.outputs import Reporting, RequestUpdate
-from serving.page_manager import PageManager
+from serving.engine.faults import EngineStepError, FaultIsolation
+from serving.engine.memory import check_utilization, device_limit, size_pool
+from serving.engine.metrics import EngineMetrics, SpecCollector
+from serving.engine.model_runner import ModelRunner
+from serving.engine.outputs import Reporting, RequestUpdate
+from serving.engine.page_manager import PageManager
+from serving.engine.scheduler import Scheduler
+from serving.engine.scoring import Scoring, split_scores
+from serving.engine.shapes import kv_pool, model_len_limit
 from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
-from serving.scheduler import Scheduler
-from serving.scoring import Scoring, split_scores
 from serving.sequence import Request, Sequence, Status, derive_seed
-from serving.shapes import kv_pool, model_len_limit
-from serving.speculative import Speculator, num_rows
+from serving.speculative.speculator import Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
 
@@ -68,7 +68,8 @@ class Engine(FaultIsolation, Reporting, Scoring):
         """`config`: the engine's settings, a `jdet.settings.EngineConfig` passed whole (fields,
         defaults and help text there; `dtype` is the loader's, unused here); keyword `settings`
         replace single fields of it (`Engine(model, max_num_seqs=8)`). `speculative`: a
-        `jdet.SpeculativeConfig` (or dict) for speculative decoding (serving/speculative.py).
+        `jdet.SpeculativeConfig` (or dict) for speculative decoding
+        (serving/speculative/speculator.py).
         `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`: for tests and benchmarks."""
         self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
         invariance, tp, page_size = config.invariance, config.tp, config.page_size
@@ -91,7 +92,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.tokenizer = model.tokenizer
         util = check_utilization(config.gpu_memory_utilization)
         # On a device with a memory limit the pool is sized after the weights are placed, from
-        # the compiled step's own peak (serving/memory.py); elsewhere it has a fixed default.
+        # the compiled step's own peak (serving/engine/memory.py); elsewhere it has a fixed default.
         sized = num_pages is None and device_limit() is not None
         if sized:
             self.max_model_len = model_len_limit(self.cfg, max_model_len)
@@ -119,7 +120,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
             sharded=sharded,
             rows_per_seq=1 + (self.speculative.num_tokens if self.speculative else 0),
         )
-        self.memory_budget = None  # serving/memory.py Budget where the pool was sized from it
+        self.memory_budget = None  # memory.py Budget where the pool was sized from it
         if sized:  # the pool is allocated here, once the weights are placed
             num_pages, self.max_model_len, self.memory_budget = size_pool(
                 self.runner, util, self.max_model_len, may_shrink=max_model_len is None,

@@ -68,7 +68,7 @@ class Budget:
 
 def device_limit() -> tuple[int, int] | None:
     """(bytes_limit, bytes_in_use) of the first device, or None where it reports no limit (a
-    CPU): there the pool keeps its fixed default (serving/shapes.py `default_num_pages`)."""
+    CPU): there the pool keeps its fixed default (serving/engine/shapes.py `default_num_pages`)."""
     try:
         stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - backends without memory stats
