@@ -46,6 +46,17 @@ def _illegal(graph: grimp.ImportGraph) -> set:
     return graph.find_illegal_dependencies_for_layers(layers=layers)
 
 
+def _serving_illegal(graph: grimp.ImportGraph) -> set:
+    """Imports against serving/'s own layers (contract "serving-layers")."""
+    (contract,) = [c for c in _contracts() if c["id"] == "serving-layers"]
+    layers = [
+        grimp.Layer(*(m.strip() for m in layer.split("|")), independent=True)
+        for layer in contract["layers"]
+    ]
+    containers = set(contract["containers"])
+    return graph.find_illegal_dependencies_for_layers(layers=layers, containers=containers)
+
+
 def test_import_linter_contracts_are_kept(monkeypatch):
     monkeypatch.chdir(ROOT)
     assert lint_imports(no_cache=True) == 0, "lint-imports: see the broken contracts above"
@@ -76,3 +87,21 @@ def test_no_module_imports_itself_through_others():
     assert _illegal(graph)
     graph.add_import(importer="jdet.config", imported="serving.engine.engine")
     assert _cycle(graph) is not None
+
+
+def test_serving_subpackages_import_only_downwards():
+    """serving/'s subpackages (http > engine > speculative | constrained > sequence > options)
+    import only below their own layer, and speculative decoding and constrained sampling not
+    each other."""
+    graph = _graph()
+    assert not _serving_illegal(graph)
+    # negative controls: the engine reaching into the server; the two engine collaborators
+    # reaching into each other
+    up = _graph()
+    up.add_import(importer="serving.engine.engine", imported="serving.http.server")
+    assert _serving_illegal(up)
+    across = _graph()
+    across.add_import(
+        importer="serving.speculative.speculator", imported="serving.constrained.structured"
+    )
+    assert _serving_illegal(across)
