@@ -48,11 +48,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # Test engines run the product's sampler variants (serving/engine/sampler_variants.py
-# `engine_variants`:
-# GREEDY and FULL on a CPU, LEAN and FULL on a GPU). Until session 13 they were held to FULL, as
-# a warmed-up CPU engine then ran: FULL's sampler is ~0.8 s to compile on a CPU, GREEDY's 0.03.
-# The other sets and their bit equality with FULL have their own tests, which set VARIANTS
-# themselves (tests/serving/test_sampler_variants.py, test_host_path.py; tests/jdet/
+# `engine_variants`: GREEDY and FULL on a CPU, LEAN and FULL on a GPU). Until session 13 they were
+# held to FULL, as a warmed-up CPU engine then ran: FULL's sampler is ~0.8 s to compile on a CPU,
+# GREEDY's 0.03. The other sets and their bit equality with FULL have their own tests, which set
+# VARIANTS themselves (tests/serving/engine/test_sampler_variants.py, test_host_path.py; tests/jdet/
 # test_sampler_variants.py calls the sampler directly), and `jdet generate` sets its own set
 # (jdet/cli.py).
 
@@ -137,16 +136,16 @@ LONG_SINGLE_TESTS_FIRST = (
     "tests/test_readme.py",
     "tests/test_notebooks.py",
     "tests/sharding/test_llm_tp.py",
-    "tests/serving/test_data_parallel.py",  # ~45 CPU s: a router, two replicas, a reference
+    "tests/serving/http/test_data_parallel.py",  # ~45 CPU s: a router, two replicas, a reference
     "tests/sharding/test_multihost.py",  # ~35 CPU s: a two-process job and a reference
-    "tests/serving/test_spec_adaptive.py",
-    "tests/serving/test_scoring.py",
+    "tests/serving/speculative/test_spec_adaptive.py",
+    "tests/serving/engine/test_scoring.py",
     "tests/jdet/test_golden.py",
     "tests/jdet/test_parity.py",
     "tests/jdet/test_checkpoint_roundtrip.py",
     "tests/jdet/test_tokenizer.py",
     "tests/jdet/test_cli.py",
-    "tests/serving/test_async.py",
+    "tests/serving/engine/test_async.py",
 )
 
 

@@ -2,7 +2,7 @@
 loads the executable instead of tracing it, with the same bits; a corrupt entry falls back to a
 compile with a warning; the key moves with every input that changes the executable.
 
-The two-process test on the model is tests/serving/test_compile.py (restart test)."""
+The two-process test on the model is tests/serving/engine/test_compile.py (restart test)."""
 
 from __future__ import annotations
 

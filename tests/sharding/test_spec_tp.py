@@ -1,9 +1,9 @@
 """Exact speculative decoding under tensor parallelism: `jdet.LLM(model, tp=2, speculative=...)`
-gives bitwise the tokens and log-probs of plain decoding at TP 1 (8 virtual CPU devices; the
-shared tiny Qwen3 checkpoint). The prompts repeat a pattern, so n-gram drafts are both accepted
-and rejected (checked: a run whose drafts were never accepted would prove nothing). The negative
-control of the TP comparison is tests/sharding/test_tp_invariance.py's ("batch" mode's psum
-changes bits between TP sizes); that of exactness is tests/serving/test_speculative.py's."""
+gives bitwise the tokens and log-probs of plain decoding at TP 1 (8 virtual CPU devices; the shared
+tiny Qwen3 checkpoint). The prompts repeat a pattern, so n-gram drafts are both accepted and
+rejected (checked: a run whose drafts were never accepted would prove nothing). The negative control
+of the TP comparison is tests/sharding/test_tp_invariance.py's ("batch" mode's psum changes bits
+between TP sizes); that of exactness is tests/serving/speculative/test_speculative.py's."""
 
 import numpy as np
 

@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.xdist_group("server")
 
 KEY = "sk-test-jdet"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from serving.engine.engine import Engine
 from serving.engine.scheduler import Scheduler
 from serving.sequence import Status
 from serving.speculative.speculator import Speculator
-from tests.serving.test_speculative import (
+from tests.serving.speculative.test_speculative import (
     PROMPTS,
     make_engine,
     random_draft,  # noqa: F401 - a fixture: a random draft model

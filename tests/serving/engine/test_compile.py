@@ -31,7 +31,7 @@ from serving.engine.host_inputs import split_step_here
 # shared compile cache if the other worker got there first).
 pytestmark = pytest.mark.xdist_group("compile")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODE = "tp"  # the default mode, on the sharded runtime
 # A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
 SETTINGS = dict(
@@ -217,9 +217,8 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     for f in files:
         entries[json.loads(pickle.loads(f.read_bytes())["parts"])["fn"].split("_")[-1]] = f
     # one shape each in this set; the step in each sampler variant
-    # (serving/engine/sampler_variants.py),
-    # or on a CPU its forward, one for every variant (the sampler apart, in XLA's cache:
-    # serving/engine/host_inputs.py `SplitStep`)
+    # (serving/engine/sampler_variants.py), or on a CPU its forward, one for every variant (the
+    # sampler apart, in XLA's cache: serving/engine/host_inputs.py `SplitStep`)
     split = split_step_here()
     n_step = 1 if split else len(sampler_variants.engine_variants())
     step = "forward" if split else "step"

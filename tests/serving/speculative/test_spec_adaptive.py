@@ -16,7 +16,7 @@ from jdet.spec_config import SpeculativeConfig
 from serving.sampling_options import SamplingOptions
 from serving.sequence import Sequence
 from serving.speculative.adaptive import WARMUP, AdaptiveK
-from tests.serving.test_speculative import (
+from tests.serving.speculative.test_speculative import (
     PARAMS,
     PROMPTS,
     assert_same,

@@ -443,10 +443,10 @@ def test_the_shipped_draft_loads_and_a_vocabulary_mismatch_is_named(serving_mode
 
 
 def test_replay_draft_has_a_controlled_acceptance_and_keeps_the_bits(serving_model, reference):
-    """tests/serving/replay_draft.py (spec_bench's draft for a chosen alpha on random weights):
-    through the model-draft slot, alpha 1 gets every draft accepted, alpha 0 none, alpha 0.6
-    some and not all; the bits are the plain ones each time. Rejection mode is refused."""
-    from tests.serving.replay_draft import ReplayDraft, attach_replay
+    """tests/serving/speculative/replay_draft.py (spec_bench's draft for a chosen alpha on random
+    weights): through the model-draft slot, alpha 1 gets every draft accepted, alpha 0 none, alpha
+    0.6 some and not all; the bits are the plain ones each time. Rejection mode is refused."""
+    from tests.serving.speculative.replay_draft import ReplayDraft, attach_replay
 
     rid = "random/greedy"
     ref = reference[rid].outputs[0]

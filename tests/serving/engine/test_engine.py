@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from serving.engine.llm_backend import generate
-from tests.serving.test_engine_invariance import PROBES, make_engine, run
+from tests.serving.engine.test_engine_invariance import PROBES, make_engine, run
 
 MODE = "none"  # behaviour, not bits: the fast plain-XLA mode keeps these tests cheap
 
@@ -228,7 +228,7 @@ def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
 
 def _fault_scenario(model, *, isolate: bool):
     """Eight requests share the steps; "bad" raises inside the batch build once it has 2 tokens."""
-    from tests.serving.test_engine_invariance import others
+    from tests.serving.engine.test_engine_invariance import others
 
     eng = make_engine(model, "tp")
     reqs = others(7, seed=31, long=True)
@@ -250,7 +250,7 @@ def _fault_scenario(model, *, isolate: bool):
 
 
 def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(serving_model):
-    from tests.serving.test_engine_invariance import bits
+    from tests.serving.engine.test_engine_invariance import bits
 
     eng, reqs, fired = _fault_scenario(serving_model, isolate=True)
     got = {o.request_id: o for o in eng.run()}
@@ -288,7 +288,7 @@ def test_an_unattributable_device_failure_resets_the_engine_which_serves_again(s
     """A failing device step (here: the dispatch raises) is nobody's fault: every request ends,
     the pages and prefix cache are reset, and later requests get the same bits as before."""
     from serving.engine.faults import EngineStepError
-    from tests.serving.test_engine_invariance import bits
+    from tests.serving.engine.test_engine_invariance import bits
 
     eng = make_engine(serving_model, "tp")
     ids, params = PROBES["sampled"]

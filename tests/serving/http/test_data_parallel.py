@@ -23,7 +23,7 @@ import pytest
 
 from serving.http.router import label_series, merge_families, ranking, route_key
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NAME = "tiny"
 # one step shape (tokens 32, sequences 16, pages 32): a replica compiles little
 ENGINE = dict(max_model_len=256, page_size=8, num_pages=256, max_num_seqs=16,

@@ -1,9 +1,8 @@
 """The engine picks the sampler variant of each step from its rows
-(serving/engine/sampler_variants.py):
-the lean one (no top-k/top-p filter, no top log-probs) when no row needs either, else the full
-one. A request's tokens, log-probs and top log-probs are bitwise the same alone (its own
-variant) and batched with requests that need the other (np.array_equal), greedy and seeded,
-synchronous and asynchronous (ahead) steps, with the variant switching mid-generation.
+(serving/engine/sampler_variants.py): the lean one (no top-k/top-p filter, no top log-probs) when no
+row needs either, else the full one. A request's tokens, log-probs and top log-probs are bitwise the
+same alone (its own variant) and batched with requests that need the other (np.array_equal), greedy
+and seeded, synchronous and asynchronous (ahead) steps, with the variant switching mid-generation.
 
 Negative control: a policy that runs every step lean (the filter dropped for a top-p row) makes
 the top-p request's output differ from its own; a step that drops the top log-probs a request

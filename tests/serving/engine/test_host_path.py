@@ -10,7 +10,7 @@ import numpy as np
 
 from serving.engine.engine import Engine
 from serving.engine.sampler_variants import FULL, LEAN
-from tests.serving.test_async import SETTINGS as ASYNC_SETTINGS
+from tests.serving.engine.test_async import SETTINGS as ASYNC_SETTINGS
 
 # test_async.py's engine with a token budget of 16 (32 there): the step shapes this module runs
 # (T = 4, 8, 16) are three of test_async's, one executable each for the run (the same process's

@@ -2,7 +2,7 @@
 
 A CPU reports no memory limit, so the GPU's sizing runs here under a simulated one: the device's
 limit and bytes in use are stated, the step's peak is XLA's memory analysis of the real compiled
-step (the CPU's). tests/serving/test_memory_gpu.py builds a default engine on a GPU."""
+step (the CPU's). tests/serving/engine/test_memory_gpu.py builds a default engine on a GPU."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Exact mode cuts a verify's drafts to what the budget and the free pages leave (no bit depends on
 it); rejection mode (`verify_tokens` = K + 1) schedules a verify whole or defers it, and a
 recompute leaves its last token to a decode step. The bits these rules protect are tested on a
-model in tests/serving/test_spec_rejection_load.py; here, the plans themselves, each beside
-exact mode's plan for the same state (the control: the same state does get cut there).
+model in tests/serving/speculative/test_spec_rejection_load.py; here, the plans themselves, each
+beside exact mode's plan for the same state (the control: the same state does get cut there).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from serving.engine.page_manager import PageManager
 from serving.engine.scheduler import Scheduler
 from serving.sequence import Sequence, Status
-from tests.serving.test_scheduler import all_seqs, fake_step, make_seq
+from tests.serving.engine.test_scheduler import all_seqs, fake_step, make_seq
 
 K = 4
 

@@ -25,7 +25,7 @@ from jdet import train
 from serving.engine.llm_backend import score
 from serving.engine.page_manager import PageManager
 from tests.conftest import write_hf_checkpoint
-from tests.serving.test_engine_invariance import (
+from tests.serving.engine.test_engine_invariance import (
     NUM_PAGES,
     PAGE,
     PROBES,

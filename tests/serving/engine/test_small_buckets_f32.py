@@ -1,13 +1,13 @@
 """The CPU's 1-token bucket with f32 activations (issue 17): a batch-1 decode of an f32 model runs
 T = 1 steps, two sequences T = 8 ones, and both must give score()'s bits.
 
-tests/serving/test_small_buckets.py checks this for the bf16 embedded model; CI's other f32 engine
-tests pad every step to one bucket of 16 or more tokens, so no f32 model ran the 1-token step.
-f32 activations are where the CPU path's exact products matter most (pallas_kernels/xla_fixed.py,
-"FMA contraction": RoPE's products and rms_norm's squares are exact in f32 only by construction).
-Negative control: the plain RoPE expression (jdet/ops.py `apply_rope`), whose contraction LLVM
-picks by the step's shape, must make the batch-1 decode leave the batched one (measured: it does
-for every f32 model tried, the embedded one and tiny Qwen3/Llama checkpoints).
+tests/serving/engine/test_small_buckets.py checks this for the bf16 embedded model; CI's other f32
+engine tests pad every step to one bucket of 16 or more tokens, so no f32 model ran the 1-token
+step. f32 activations are where the CPU path's exact products matter most
+(pallas_kernels/xla_fixed.py, "FMA contraction": RoPE's products and rms_norm's squares are exact in
+f32 only by construction). Negative control: the plain RoPE expression (jdet/ops.py `apply_rope`),
+whose contraction LLVM picks by the step's shape, must make the batch-1 decode leave the batched one
+(measured: it does for every f32 model tried, the embedded one and tiny Qwen3/Llama checkpoints).
 """
 
 from __future__ import annotations
