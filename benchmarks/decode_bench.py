@@ -295,8 +295,8 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
                         row["host_s"] = row["engine_step_s"] - row["device_step_s"]
                         if "floor_s" in row:
                             row["engine_vs_floor"] = row["engine_step_s"] / row["floor_s"]
-                        # the same request with async scheduling (step n+1 dispatched before
-                        # step n's tokens reach the host; same bits, tests/serving/test_async.py)
+                        # the same request with async scheduling (step n+1 dispatched before step
+                        # n's tokens reach the host; same bits, tests/serving/engine/test_async.py)
                         eng.async_scheduling, ahead0 = True, eng.num_steps_ahead
                         r2 = engine_step(eng, ctx, a.steps, rid="b1-async")
                         eng.async_scheduling = False

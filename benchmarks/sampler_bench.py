@@ -1,7 +1,7 @@
 """What the lean sampler saves (issue 11): the full sampler (top-k/top-p filter and top-20
 log-probs, what every step ran before serving/engine/sampler_variants.py) against the lean one
-(neither),
-side by side in one process, alternating, for greedy rows (which need neither: same bits).
+(neither), side by side in one process, alternating, for greedy rows (which need neither: same
+bits).
 
 Rows, per batch size B:
 - `sampler`: the jitted `jdet.sampling.sample` alone on random f32 logits [B, V];

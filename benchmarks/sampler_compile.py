@@ -12,8 +12,7 @@ no cache), the median, and its run time at those shapes:
 - the top-p filter's descending sort: XLA CPU's float sort against `xla_fixed.sort_descending`
   (the same values sorted as int32 keys);
 - the FULL / LEAN / GREEDY samplers (serving/engine/sampler_variants.py) with rows that filter
-(top-k
-  40, top-p 0.9, temperature 0.8), and FULL again with the associative scan put back, then also
+(top-k 40, top-p 0.9, temperature 0.8), and FULL again with the associative scan put back, then also
   the float sort ("full_before": the CPU sampler as it was), so before and after are side by
   side.
 

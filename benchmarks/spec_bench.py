@@ -11,22 +11,21 @@ same run. Every run's tokens and log-probs are asserted bitwise equal to the pla
 Each row is run with adaptive K off (`--min-alphas 0`: every decode drafts, as before) and on
 (0.3, the default: a request whose acceptance falls below it decodes without drafts).
 
-`--gpu` part (random bf16 weights of the Qwen3-8B shape, one GPU, like decode_bench.py): the
-device time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch
-1, context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` on a
-copy-heavy prompt (a random token block repeated; `--prompt heldout`: a held-out text of the
-embedded model's corpus, little to copy), K = 4, several engines side by side in the same run
-sharing one placed copy of the weights, `--reps` rounds in rotated order, median reported with
-the spread (benchmarks/spec_e2e.py): n-gram drafts with adaptive K (the default), n-gram always
-drafting (`min_alpha=0`), plain with async dispatch (the GPU default), plain synchronous
-(`--engines`), and `--replay-alphas`: a benchmark-only replay draft (tests/serving/replay_draft.py)
-that proposes the target's own recorded output, each position right with probability alpha, so
-the speedup at alpha = 0.5..0.9 is measured on random weights, where real drafts get alpha ~ 0.
-Per engine: decode tok/s (from the first output token on) and whole-request tok/s, the measured
-alpha and tokens per verify beside the seed's formula, tokens per decode step, steps ahead,
-device->host fetches and compiles per run; every run's bits asserted equal to the plain run's.
-The end-to-end part also runs on a CPU (`--gpu --shape tiny|embedded --no-verify-timing`:
-counts, not speeds).
+`--gpu` part (random bf16 weights of the Qwen3-8B shape, one GPU, like decode_bench.py): the device
+time of one verify step of K + 1 tokens (K + 1 sampled rows) against one decode step, batch 1,
+context 1024, K = 1..8; then end-to-end batch-1 generation through `Engine.step` on a copy-heavy
+prompt (a random token block repeated; `--prompt heldout`: a held-out text of the embedded model's
+corpus, little to copy), K = 4, several engines side by side in the same run sharing one placed copy
+of the weights, `--reps` rounds in rotated order, median reported with the spread
+(benchmarks/spec_e2e.py): n-gram drafts with adaptive K (the default), n-gram always drafting
+(`min_alpha=0`), plain with async dispatch (the GPU default), plain synchronous (`--engines`), and
+`--replay-alphas`: a benchmark-only replay draft (tests/serving/speculative/replay_draft.py) that
+proposes the target's own recorded output, each position right with probability alpha, so the
+speedup at alpha = 0.5..0.9 is measured on random weights, where real drafts get alpha ~ 0. Per
+engine: decode tok/s (from the first output token on) and whole-request tok/s, the measured alpha
+and tokens per verify beside the seed's formula, tokens per decode step, steps ahead, device->host
+fetches and compiles per run; every run's bits asserted equal to the plain run's. The end-to-end
+part also runs on a CPU (`--gpu --shape tiny|embedded --no-verify-timing`: counts, not speeds).
 
     PYTHONPATH=. python -m benchmarks.spec_bench [--ks 1,2,4,8] [--out OUT]
     PYTHONPATH=. python -m benchmarks.spec_bench --gpu --out $OUT      # < 5 minutes on an H100

@@ -6,8 +6,8 @@ Engines (`--engines`, `--replay-alphas` in benchmarks/spec_bench.py):
 - adaptive: n-gram drafts, adaptive K (the default: steps where no request drafts go ahead);
 - always_drafting: n-gram drafts, `min_alpha=0` (every step verifies, synchronously);
 - plain_async (the GPU default) and plain_sync: no speculation;
-- replay_A: the replay draft (tests/serving/replay_draft.py) right with probability A at each
-  position, always drafting: a controlled alpha on random weights, where no real draft has one.
+- replay_A: the replay draft (tests/serving/speculative/replay_draft.py) right with probability A at
+  each position, always drafting: a controlled alpha on random weights, where no real draft has one.
   It replays the first plain engine's output, recorded by a reference run before the rounds.
 
 Each run records tokens/s over the whole request and over its decode (from the first output
@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tests.serving.replay_draft import ReplayDraft, attach_replay
+from tests.serving.speculative.replay_draft import ReplayDraft, attach_replay
 
 BASE_ENGINES = ("adaptive", "always_drafting", "plain_async", "plain_sync")
 

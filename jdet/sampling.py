@@ -84,10 +84,9 @@ class SamplingInputs:
 
     A third flag, `draw`, and `logits=None` make the smallest step, for steps whose rows are all
     greedy without transforms (serving/engine/sampler_variants.py GREEDY: `jdet generate`'s
-    default):
-    XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4 less
-    compile time for the embedded model's step on a CPU (benchmarks/sampler_compile.py). A greedy
-    row's token is the argmax of the same logits either way, its log-prob read from the same
+    default): XLA then compiles no Gumbel draw, no threefry keys and no transform conditionals, ~1/4
+    less compile time for the embedded model's step on a CPU (benchmarks/sampler_compile.py). A
+    greedy row's token is the argmax of the same logits either way, its log-prob read from the same
     log_softmax."""
 
     temperature: jax.Array  # f32[N]; 0 = greedy

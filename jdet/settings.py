@@ -152,7 +152,7 @@ def resolve_async(value: bool | str) -> bool:
     own thread, so on a machine with a core to spare the host's work for step n overlaps step
     n + 1 (embedded model, batch-1 "tp" greedy decode on the 2-core CI machine, one process,
     load 5-7: 99 -> 140 tok/s best of 4, median 90 -> 126; "none" unchanged, 6 tok/s). True/"on"
-    and False/"off" force it; same bits either way (tests/serving/test_async.py)."""
+    and False/"off" force it; same bits either way (tests/serving/engine/test_async.py)."""
     if value in (True, "on"):
         return True
     if value in (False, "off"):

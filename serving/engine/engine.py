@@ -69,8 +69,8 @@ class Engine(FaultIsolation, Reporting, Scoring):
         defaults and help text there; `dtype` is the loader's, unused here); keyword `settings`
         replace single fields of it (`Engine(model, max_num_seqs=8)`). `speculative`: a
         `jdet.SpeculativeConfig` (or dict) for speculative decoding
-        (serving/speculative/speculator.py).
-        `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`: for tests and benchmarks."""
+        (serving/speculative/speculator.py). `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`:
+        for tests and benchmarks."""
         self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
         invariance, tp, page_size = config.invariance, config.tp, config.page_size
         max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs

@@ -9,7 +9,7 @@ term is read off the device or the compiler:
 - the step's peak: XLA's memory analysis of the largest step shape the engine runs, compiled
   against an abstract pool (`temp_size_in_bytes`: activations, attention partials, sampler rows;
   the cache itself is donated and aliased, so the pool's size does not enter it — asserted by
-  tests/serving/test_memory.py), plus the score function's f32 logits of a full token bucket;
+  tests/serving/engine/test_memory.py), plus the score function's f32 logits of a full token bucket;
 - a fixed headroom for what neither counts (allocator fragmentation, host-to-device staging of a
   step's inputs, small executables such as the logits transforms).
 The pool gets the rest: pages = (utilization x limit - in use - peak - headroom) // page bytes.

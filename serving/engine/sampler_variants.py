@@ -88,13 +88,12 @@ def engine_variants() -> tuple[Variant, ...]:
 
     Why GREEDY and FULL on a CPU: there the sampler is an executable of its own per (rows,
     vocabulary, variant) (serving/engine/host_inputs.py `SplitStep`), so a variant costs its
-    sampler's
-    compile per row bucket, not a step per shape. GREEDY's is 0.03 s (V = 8192, N = 8; FULL
-    0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
-    greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at
-    N = 8 (2-core box). LEAN would add its compile for ~0.03 ms a step (0.161 -> 0.134 ms at
-    batch 1). On a GPU the step is one program: there LEAN saves the
-    filter's sort, ~0.085 ms a step, for one step compile per shape."""
+    sampler's compile per row bucket, not a step per shape. GREEDY's is 0.03 s (V = 8192, N = 8;
+    FULL 0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
+    greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at N = 8
+    (2-core box). LEAN would add its compile for ~0.03 ms a step (0.161 -> 0.134 ms at batch 1). On
+    a GPU the step is one program: there LEAN saves the filter's sort, ~0.085 ms a step, for one
+    step compile per shape."""
     if VARIANTS is not None:
         return VARIANTS
     if _platform.platform() == "cpu":

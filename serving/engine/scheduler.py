@@ -18,12 +18,11 @@ Chunk boundaries may fall anywhere: output bits do not depend on them, because t
 chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
 
 Speculative rejection mode (`verify_tokens` = K + 1; serving/speculative/speculator.py): which
-positions are
-rejection-sampled is part of the bits, so a sequence's verify is never cut to what the budget or
-the free pages leave. A decode with drafts is scheduled whole, oldest first among the decodes
-(pages as a decode gets them, newest preempted first), or deferred to a later step when the budget
-cannot hold it; and a recompute after preemption leaves its last token to a decode step, where
-the sequence drafts as it would have without the preemption (docs/speculative.md).
+positions are rejection-sampled is part of the bits, so a sequence's verify is never cut to what the
+budget or the free pages leave. A decode with drafts is scheduled whole, oldest first among the
+decodes (pages as a decode gets them, newest preempted first), or deferred to a later step when the
+budget cannot hold it; and a recompute after preemption leaves its last token to a decode step,
+where the sequence drafts as it would have without the preemption (docs/speculative.md).
 
 `policy="prefill_first"` is the baseline Sarathi-Serve improves on (vLLM v0): whenever a waiting
 sequence can be admitted, the step holds prefills only and running decodes stall.
@@ -107,9 +106,8 @@ class Scheduler:
 
     def _add_drafts(self, plan: dict, budget: list[int]) -> None:
         """Speculative decoding (serving/speculative/speculator.py): once every decode has its
-        token, each
-        decode (oldest first) also computes its draft tokens, within the budget and the free
-        pages (a draft never preempts anyone; it shrinks to what fits)."""
+        token, each decode (oldest first) also computes its draft tokens, within the budget and the
+        free pages (a draft never preempts anyone; it shrinks to what fits)."""
         for seq, n in list(plan.items()):
             k = min(len(seq.draft_token_ids), budget[0])
             if k < 1 or n != 1 or seq.num_uncomputed != 1 or seq.is_score:

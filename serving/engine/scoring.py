@@ -18,9 +18,8 @@ one would be a third function kind, a forward over both batches merged with the 
 score row and the sampled rows, returning samples and log-probs. Its bits would be the same in
 the invariant modes, but (1) the engine compiles every shape of every kind before it serves
 (serving/engine/shapes.py); a merged kind is a third shape set, whose logits rows follow the T
-bucket,
-compiled by every engine that may score or else mid-serving (the stall warm-up exists to avoid);
-(2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend on
+bucket, compiled by every engine that may score or else mid-serving (the stall warm-up exists
+to avoid); (2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend on
 whether a score request shared its step; (3) the step's other consumers (dispatch-ahead, the
 speculative verify, a draft model's `mirror`) take the step function's batch as it is. The cost
 of two calls is a second pass over the weights in a mixed step (a decode-bound step reads them

@@ -127,7 +127,7 @@ def default_min_tokens_bucket() -> int:
 def single_token_bucket() -> bool:
     """Whether the default buckets start with T = 1 (then 8, 16, ...): on a CPU's fixed-order
     kernels, where a 1-token step runs 2-row dots (pallas_kernels/xla_fixed.py `row_block`)
-    instead of 8-row ones, the same bits for its row (tests/serving/test_small_buckets.py).
+    instead of 8-row ones, the same bits for its row (tests/serving/engine/test_small_buckets.py).
     Measured on the 2-core CI machine (load 5.5-6): the embedded model's batch-1 "tp" decode
     167-171 -> 234-259 tok/s, 5.8 -> 3.8 CPU ms a token. One shape more per Pmax bucket to
     compile; batch 2-8 decodes stay at T = 8; `jdet generate` pins its one shape (jdet/cli.py)."""

@@ -11,9 +11,8 @@ engine dispatches each before the previous one's tokens reach the host (`Engine.
 Why it changes no bit (exact mode). How many drafts a step verifies for a sequence, zero
 included, never changes a token: every emitted token is the target's keyed sample at its
 position (serving/speculative/speculator.py), and a dispatched-ahead step is the same decode step
-with its
-input token on the device (tests/serving/test_async.py). tests/serving/test_spec_adaptive.py
-compares with np.array_equal.
+with its input token on the device (tests/serving/engine/test_async.py).
+tests/serving/speculative/test_spec_adaptive.py compares with np.array_equal.
 
 The estimate: per sequence, a decayed count of accepted drafts over drafts reached (the seed's
 per-position alpha), updated by every verify (`record_verify`). An n-gram lookup that finds no
@@ -39,8 +38,8 @@ is decided before the token it feeds has reached the host; a synchronous step af
 in rejection mode every decision for the step whose input is token j looks at tokens[:j] only
 (`drafts` ignores the latest token; `can_run_ahead`'s look, made while that token is computed,
 sees exactly tokens[:j] too): the same state at the same decision with async scheduling on or
-off (tests/serving/test_spec_adaptive.py). Exact mode looks at every token (its bits never
-depend on the decision).
+off (tests/serving/speculative/test_spec_adaptive.py). Exact mode looks at every token (its bits
+never depend on the decision).
 """
 
 from __future__ import annotations

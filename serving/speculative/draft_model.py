@@ -1,6 +1,6 @@
-"""Drafts from a model for speculative decoding: the target's first layers ("self") or a small
-model sharing its vocabulary ("draft"); see `ModelDraft`. Speculator
-(serving/speculative/speculator.py) owns one when SpeculativeConfig.method is "self" or "draft".
+"""Drafts from a model for speculative decoding: the target's first layers ("self") or a small model
+sharing its vocabulary ("draft"); see `ModelDraft`. Speculator (serving/speculative/speculator.py)
+owns one when SpeculativeConfig.method is "self" or "draft".
 """
 
 from __future__ import annotations

@@ -42,15 +42,14 @@ transforms or structured output (`needs_logits_inputs`: their per-row inputs dep
 tokens before the row, which the draft has not confirmed yet).
 
 Rejection mode (seed 001, `verify="rejection"`, serving/speculative/rejection.py
-`rejection_sample`): accept
-draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness keyed
-by (seed, position) on streams of its own. It preserves the target's distribution, not its bits (an
-accepted draft is the draft's draw), so it alone changes the system fingerprint. For n-gram
-drafts q is one-hot: the rule accepts with probability p(d), exactly exact mode's acceptance,
-which also keeps the bits (docs/speculative.md). Its bits do not depend on the load: a verify's
-draft count is the request's own (never cut by the scheduler), a recompute drafts where the
-unpreempted sequence did, and drafting starts at the first output token (`may_draft`; why, in
-docs/speculative.md).
+`rejection_sample`): accept draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p
+- q)), randomness keyed by (seed, position) on streams of its own. It preserves the target's
+distribution, not its bits (an accepted draft is the draft's draw), so it alone changes the system
+fingerprint. For n-gram drafts q is one-hot: the rule accepts with probability p(d), exactly exact
+mode's acceptance, which also keeps the bits (docs/speculative.md). Its bits do not depend on the
+load: a verify's draft count is the request's own (never cut by the scheduler), a recompute drafts
+where the unpreempted sequence did, and drafting starts at the first output token (`may_draft`; why,
+in docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def ngram_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) 
     and then, latest e first, how far back each match goes, stopping at the first of full length
     min(n_max, L - 1); the longest length n wins, the latest e of that length gives the draft
     (tokens e+1..e+k). Same result as trying n = n_max..n_min over sliding windows
-    (tests/serving/test_spec_adaptive.py), several times faster."""
+    (tests/serving/speculative/test_spec_adaptive.py), several times faster."""
     L = len(tokens)
     if k < 1 or L < 2:
         return []
