@@ -155,3 +155,15 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float
     error: str | None = None
+
+    @classmethod
+    def sampling(
+        cls, request_id: str, prompt: list[int], opts: SamplingOptions, seed: int, now: float
+    ) -> Request:
+        """A request that samples: `opts.n` sequences of `prompt`, seeds derived from `seed`."""
+        prompt = [int(t) for t in prompt]
+        seqs = [
+            Sequence(request_id, i, prompt, opts, seed=derive_seed(seed, i), arrival_time=now)
+            for i in range(opts.n)
+        ]
+        return cls(request_id, prompt, seed, seqs, now)

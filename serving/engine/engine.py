@@ -13,13 +13,17 @@ dropped, never reported. Outputs therefore trail the device by one step.
 Nothing here can change a token's bits: which step, batch or chunk a token is computed in does
 not matter (DESIGN §1); sampling randomness is keyed by (seed, position).
 
-Fault isolation: no request can hurt another. Input is checked at `add_request` against the
-bounds of the step's arrays (`SamplingOptions.check`, `check_prompt_ids`). If building the batch
-or detokenising still raises, the engine finds the request it belongs to, ends only that request
-with `finish_reason="error"` (pages freed) and steps the others on; since a row's bits do not
-depend on the batch, they are unchanged. An error that belongs to no one request (the device step
-itself) is logged with its traceback, every request is ended with the error, the KV pool and page
-accounting are reset and checked (`recover`), and `EngineStepError` is raised to the caller.
+One unit: the engine owns its scheduler, page manager and model runner, its request table and its
+metrics; what it delegates are plain functions or objects with their own interfaces, given what
+they need: the request table (request_table.py: requests by id, what is not yet reported),
+admission's checks (admission.py), fault isolation (faults.py), score requests (scoring.py),
+speculative decoding (serving/speculative/ `Speculator`). None of them reads the engine itself.
+
+Validation happens once, at admission (admission.py says why the engine's): `add_request` runs
+`Admission.check_request` unless the caller already did (`checked=True`: the server does, in a
+worker thread). Fault isolation: a request that still makes its batch fail ends alone
+(faults.py); the device step failing ends every request, the engine resets (`recover`) and
+raises `EngineStepError`.
 """
 
 from __future__ import annotations
@@ -35,22 +39,25 @@ from jdet import compile_cache as cc
 from jdet.plan import Plan
 from jdet.settings import EngineConfig, resolve_async
 from jdet.spec_config import SpeculativeConfig
-from serving.engine.faults import EngineStepError, FaultIsolation
-from serving.engine.memory import check_utilization, device_limit, size_pool
+from serving.engine import faults
+from serving.engine.admission import Admission
+from serving.engine.faults import EngineStepError
+from serving.engine.memory import runner_with_pool
 from serving.engine.metrics import EngineMetrics, SpecCollector
 from serving.engine.model_runner import ModelRunner
-from serving.engine.outputs import Reporting, RequestUpdate
+from serving.engine.outputs import RequestUpdate
 from serving.engine.page_manager import PageManager
+from serving.engine.request_table import RequestTable, finish
 from serving.engine.scheduler import Scheduler
-from serving.engine.scoring import Scoring, split_scores
-from serving.engine.shapes import kv_pool, model_len_limit
-from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
-from serving.sequence import Request, Sequence, Status, derive_seed
+from serving.engine.scoring import record_scores, score_request, split_scores
+from serving.sampling_options import SamplingOptions
+from serving.sequence import Request, Sequence, Status
 from serving.speculative.speculator import Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
 
-class Engine(FaultIsolation, Reporting, Scoring):
+
+class Engine:
     """Continuous batching over one model replica. Not thread-safe: drive it from one thread."""
 
     def __init__(
@@ -72,72 +79,37 @@ class Engine(FaultIsolation, Reporting, Scoring):
         (serving/speculative/speculator.py). `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`:
         for tests and benchmarks."""
         self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
-        invariance, tp, page_size = config.invariance, config.tp, config.page_size
-        max_num_batched_tokens, max_num_seqs = config.max_num_batched_tokens, config.max_num_seqs
-        max_model_len, num_pages = config.max_model_len, config.num_pages
-        compile_cache, async_scheduling = config.compile_cache, config.async_scheduling
-
-        self.compile_cache_dir = cc.enable(compile_cache)
+        self.compile_cache_dir = cc.enable(config.compile_cache)
         cc.install_counter()
-
         # the reduction plan, validated here once: kernels, padding, TP runtime, fingerprint
-        self.plan = Plan(model.cfg, invariance, tp)
+        self.plan = Plan(model.cfg, config.invariance, config.tp)
         self.invariance = self.plan.invariance
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        page_size = config.page_size
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
-        self.model = model
-        self.cfg = model.cfg
-        self.tokenizer = model.tokenizer
-        util = check_utilization(config.gpu_memory_utilization)
-        # On a device with a memory limit the pool is sized after the weights are placed, from
-        # the compiled step's own peak (serving/engine/memory.py); elsewhere it has a fixed default.
-        sized = num_pages is None and device_limit() is not None
-        if sized:
-            self.max_model_len = model_len_limit(self.cfg, max_model_len)
-        else:
-            self.max_model_len, num_pages = kv_pool(
-                self.cfg, model.dtype, page_size=page_size, max_model_len=max_model_len,
-                num_pages=num_pages, max_num_seqs=max_num_seqs,
-            )  # fmt: skip
-        self.page_size = page_size
-        self.tp = tp
+        self.model, self.cfg, self.tokenizer = model, model.cfg, model.tokenizer
+        self.page_size, self.tp = page_size, config.tp
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.speculative = SpeculativeConfig.from_any(speculative)
-        self.runner = ModelRunner(
-            model,
-            invariance=invariance,
-            num_pages=num_pages,
-            page_size=page_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-            min_tokens_bucket=config.min_tokens_bucket,
-            min_seqs_bucket=config.min_seqs_bucket,
-            min_pages_bucket=config.min_pages_bucket,
-            step_fn=step_fn,
-            tp=tp,
-            sharded=sharded,
-            rows_per_seq=1 + (self.speculative.num_tokens if self.speculative else 0),
-        )
-        self.memory_budget = None  # memory.py Budget where the pool was sized from it
-        if sized:  # the pool is allocated here, once the weights are placed
-            num_pages, self.max_model_len, self.memory_budget = size_pool(
-                self.runner, util, self.max_model_len, may_shrink=max_model_len is None,
-                step_tokens=max_num_batched_tokens, exec_dir=cc.exec_dir(),
-            )  # fmt: skip
+        rows = 1 + (self.speculative.num_tokens if self.speculative else 0)
+        # the runner gets the config whole, with the pool and length resolved (memory.py)
+        self.runner, num_pages, self.max_model_len, self.memory_budget = runner_with_pool(
+            model, config, lambda c: ModelRunner(model, c, step_fn=step_fn, sharded=sharded,
+                                                 rows_per_seq=rows),
+        )  # fmt: skip
         self.speculator = None  # speculative decoding: drafts + acceptance
         if self.speculative is not None:
             self.speculator = Speculator(self.speculative, max_model_len=self.max_model_len)
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.page_manager = PageManager(
             num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
             watermark=watermark,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.page_manager,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
             policy=config.scheduling,
             verify_tokens=self.speculator.verify_tokens if self.speculator else None,
         )
@@ -151,11 +123,13 @@ class Engine(FaultIsolation, Reporting, Scoring):
         if not self.eos_token_ids and self.tokenizer is not None:
             if getattr(self.tokenizer, "eos_token_id", None) is not None:
                 self.eos_token_ids = {int(self.tokenizer.eos_token_id)}
-        self.requests: dict[str, Request] = {}
-        self._pending: dict[Sequence, None] = {}  # sequences with tokens not yet reported
+        self.table = RequestTable(self.scheduler, self.metrics, self.tokenizer)
+        self.requests: dict[str, Request] = self.table.by_id  # the live requests, by id
+        self.admission = Admission(self.cfg.vocab_size, self.max_model_len, self.tokenizer,
+                                   self.runner.logits_rows)  # fmt: skip
         self.num_steps = 0
         self.warm: set[str] = set()  # the kinds ("step", "score") whose shapes are compiled
-        self.async_scheduling = resolve_async(async_scheduling)
+        self.async_scheduling = resolve_async(config.async_scheduling)
         self._inflight: tuple[list, Any] | None = None  # a step dispatched ahead, not yet fetched
         self.num_steps_ahead = 0  # steps dispatched before their input tokens reached the host
         self.num_mixed_steps = 0  # steps that ran score requests beside sampling ones
@@ -164,58 +138,47 @@ class Engine(FaultIsolation, Reporting, Scoring):
         self.fault_injector: Callable[[Sequence], None] | None = None
 
     # ------------------------------------------------------------------ requests
-
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: Any = None,
         arrival_time: float | None = None,
+        *,
+        checked: bool = False,
     ) -> int:
-        """Queue a request (validated here too: the offline API calls this directly).
+        """Queue a request, checked by `admission` unless `checked` (the caller checked it).
 
         Returns the request's seed: the given one, or the one drawn now, so that the output can
         be reproduced by resending the request with that seed.
         """
-        opts = SamplingOptions.from_any(params)
-        self._validate(request_id, prompt_token_ids, opts)
+        self.table.check_id(request_id)
+        if checked:
+            opts = SamplingOptions.from_any(params)
+        else:
+            opts = self.admission.check_request(prompt_token_ids, params)
         seed = int(opts.seed) if opts.seed is not None else secrets.randbits(32)
         now = time.perf_counter() if arrival_time is None else arrival_time
-        prompt = [int(t) for t in prompt_token_ids]
-        seqs = [
-            Sequence(request_id, i, prompt, opts, seed=derive_seed(seed, i), arrival_time=now)
-            for i in range(opts.n)
-        ]
-        self.requests[request_id] = Request(request_id, prompt, seed, seqs, now)
-        for s in seqs:
-            self.scheduler.add(s)
-        self.metrics.prompt_tokens.inc(len(prompt))
+        self.table.add(Request.sampling(request_id, prompt_token_ids, opts, seed, now))
         return seed
 
-    def _validate(self, request_id: str, prompt: list[int], o: SamplingOptions) -> None:
-        """The shared boundary check (serving/sampling_options.py) plus what the engine knows."""
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
-        check_prompt_ids(
-            prompt, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len, field="prompt"
-        )
-        o.check(self.cfg.vocab_size)
-        self.runner.logits_rows.check(o)  # structured output, bad_words (need the tokenizer)
-        if o.stop and self.tokenizer is None:
-            raise InvalidRequest("stop", "stop strings need a tokenizer")
+    def add_score(
+        self, request_id: str, token_ids: list[int], arrival_time: float | None = None
+    ) -> None:
+        """Queue a score request of `token_ids` (at least 2 tokens, at most max_model_len); its
+        final output carries `scores` (len(token_ids) - 1 log-probs; scoring.py)."""
+        self.table.check_id(request_id)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        self.table.add(score_request(request_id, token_ids, vocab_size=self.cfg.vocab_size,
+                                     max_model_len=self.max_model_len, now=now))  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its pages return at once. False if unknown/finished."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for s in req.seqs:
-            if not s.is_finished:
-                self.scheduler.finish(s)
-                s.finish_reason = "abort"
-            self._pending.pop(s, None)
-        self.metrics.finished.labels("abort").inc()
-        return True
+        return self.table.abort(request_id)
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End one request because of an error of its own (request_table.py `fail`)."""
+        self.table.fail(request_id, error)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -244,7 +207,7 @@ class Engine(FaultIsolation, Reporting, Scoring):
         scoring: list[tuple[Sequence, int]] = []  # this step's score requests (scoring.py)
         try:
             if plan and out is None:
-                plan, (prepared, score_in) = self._prepare(plan)
+                plan, (prepared, score_in) = faults.isolate(plan, self._inputs, self.fail_request)
                 plan, scoring = split_scores(plan)
                 scored = self._dispatch_score(score_in)
                 self.num_mixed_steps += bool(plan and scoring)
@@ -287,19 +250,10 @@ class Engine(FaultIsolation, Reporting, Scoring):
         sampling inputs are known on the host; a sequence that this step ends (EOS, stop token,
         stop string) wastes its row of the next step, whose output is then dropped — its pages
         are still its own while both steps run, since the device runs them in order."""
-        sched = self.scheduler
-        if sched.waiting or len(plan) != len(sched.running):
+        # speculating, a verify's successor depends on how many drafts it accepts
+        also = self.speculator.can_run_ahead if self.speculator is not None else None
+        if not self.scheduler.steady(plan, self.max_model_len, also):
             return None
-        if self.speculator is not None and not self.speculator.can_run_ahead(plan):
-            return None  # a verify's successor depends on how many drafts it accepts
-        for seq, n in plan:
-            o = seq.options
-            if seq.status is not Status.RUNNING or n != seq.num_uncomputed:
-                return None
-            if seq.num_tokens + 2 > self.max_model_len or (
-                o.max_tokens is not None and seq.num_output_tokens + 2 > o.max_tokens
-            ):
-                return None
         if self.fault_injector is not None:  # tests: a batch build that raises goes the ordinary
             try:  # way, whose `_prepare` ends the faulty request alone
                 for seq, _ in plan:
@@ -320,19 +274,16 @@ class Engine(FaultIsolation, Reporting, Scoring):
     def _apply(self, plan: list[tuple[Sequence, int]], res: dict, nrows: list[int]) -> None:
         rows: Any = range(len(plan))  # each plan entry's sampled row
         if self.speculator is not None:
-            plan, rows = self.speculator.accept_drafts(plan, res, nrows, self._append, self._ends)
+            ends = lambda seq, tok, m: self._end(seq, tok, m) is not None  # noqa: E731
+            plan, rows = self.speculator.accept_drafts(plan, res, nrows, self._append, ends)
         self.scheduler.advance(plan)
         for i, (seq, _) in zip(rows, plan, strict=True):
             if seq.status is not Status.RUNNING or seq.num_uncomputed > 0:
                 continue  # finished meanwhile, or a prefill chunk that samples nothing
             tok = self._append(seq, res, i)
-            o = seq.options
-            if tok in o.stop_token_ids or (not o.ignore_eos and tok in self.eos_token_ids):
-                self._finish(seq, "stop", tok if tok in o.stop_token_ids else None)
-            elif (o.max_tokens is not None and seq.num_output_tokens >= o.max_tokens) or (
-                seq.num_tokens >= self.max_model_len
-            ):
-                self._finish(seq, "length")
+            end = self._end(seq, tok)
+            if end is not None:
+                finish(self.scheduler, seq, *end)
 
     def _append(self, seq: Sequence, res: dict, i: int) -> int:
         """Append the token sampled in row `i` (and its log-probs) to `seq`."""
@@ -343,24 +294,71 @@ class Engine(FaultIsolation, Reporting, Scoring):
         if k:
             ids, lps = res["top_ids"][i, :k], res["top_logprobs"][i, :k]
             seq.top_logprobs.append([(int(a), float(b)) for a, b in zip(ids, lps, strict=True)])
-        self._pending[seq] = None
+        self.table.pending[seq] = None
         self.metrics.generation_tokens.inc()
         return tok
 
-    def _ends(self, seq: Sequence, tok: int, m: int) -> bool:
-        """Whether `tok`, as the m-th token appended to `seq` now, finishes it (`_apply`)."""
+    def _end(self, seq: Sequence, tok: int, m: int = 0) -> tuple[str, int | None] | None:
+        """(finish reason, stop reason) if `tok`, with m more tokens appended to `seq` than it
+        holds now, finishes it: EOS or a stop token ("stop"), max_tokens or max_model_len
+        ("length"); else None. Token-level, so no step is wasted on them."""
         o = seq.options
-        return (
-            tok in o.stop_token_ids
-            or (not o.ignore_eos and tok in self.eos_token_ids)
-            or (o.max_tokens is not None and seq.num_output_tokens + m >= o.max_tokens)
-            or seq.num_tokens + m >= self.max_model_len
-        )
+        if tok in o.stop_token_ids or (not o.ignore_eos and tok in self.eos_token_ids):
+            return "stop", tok if tok in o.stop_token_ids else None
+        if (o.max_tokens is not None and seq.num_output_tokens + m >= o.max_tokens) or (
+            seq.num_tokens + m >= self.max_model_len
+        ):
+            return "length", None
+        return None
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        self.scheduler.finish(seq)
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+    # ------------------------------------------------------------------ collaborators
+    def _inputs(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
+        """(the sampling rows' inputs, the score rows' inputs) of `plan`; None where the step has
+        none. faults.isolate calls it, and again per sequence to find whose data raised."""
+        if self.fault_injector is not None:
+            for seq, _ in plan:
+                self.fault_injector(seq)
+        sampling, scoring = split_scores(plan)
+        prepared = self.runner.prepare(sampling) if sampling else None
+        if prepared is not None and self.speculator is not None:  # rejection mode
+            prepared = self.speculator.verify_inputs(sampling, prepared)
+        return prepared, self.runner.prepare_score(scoring) if scoring else None
+
+    def _dispatch_score(self, prepared: tuple[Any, Any] | None) -> Any:
+        """Launch this step's score rows (None: none); a separate draft model's cache follows
+        them as it follows every step (serving/speculative/draft_model.py `mirror`)."""
+        if prepared is None:
+            return None
+        out = self.runner.dispatch_score(*prepared)
+        if self.speculator is not None:
+            self.speculator.mirror(self.runner.as_step(prepared[0]))
+        return out
+
+    def _apply_scores(self, plan: list[tuple[Sequence, int]], out: Any) -> None:
+        """Record a step's score rows, account their K/V, and finish the score requests whose
+        rows are all scored."""
+        record_scores(plan, out)
+        self.scheduler.advance(plan)
+        for seq, _ in plan:
+            if seq.status is Status.RUNNING and seq.num_uncomputed == 0:
+                finish(self.scheduler, seq, "stop")
+                self.table.pending[seq] = None
+
+    def _report(self) -> list[RequestUpdate]:
+        """What this step shows its callers (request_table.py `report`)."""
+        return self.table.report()
+
+    def recover(self, error: str) -> None:
+        """After an unattributable failure: end every request with `error` (no output for them
+        follows: the caller is told by the exception), drop the prefix cache (a failed step may
+        have left junk K/V), re-create the KV pool if the failed step consumed the donated one,
+        and check the page accounting. Raises EngineBroken if the accounting is not clean."""
+        self.table.end_all()
+        self.page_manager.hash_to_page.clear()
+        self.page_manager.page_to_hash.clear()
+        self.runner.kv = faults.restore_kv(self.runner.kv)
+        faults.check_clean(self.page_manager, self.scheduler, error)
+        self.refresh_gauges()
 
     def _update_gauges(self, plan: list[tuple[Sequence, int]]) -> None:
         self.num_steps += 1

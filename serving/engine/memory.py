@@ -34,7 +34,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdet import compile_cache
 from jdet.exec_key import entry_key, key_parts
+from serving.engine.shapes import kv_pool, model_len_limit
 
 GiB = 1 << 30
 # What no measurement covers (module docstring): the allocator's fragmentation and small buffers.
@@ -222,3 +224,30 @@ def largest_free_block() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     free = stats.get("largest_free_block_bytes")
     return int(free) if free is not None else None
+
+
+def runner_with_pool(model: Any, config: Any, make_runner: Any) -> tuple[Any, int, int, Any]:
+    """(runner, num_pages, max_model_len, Budget or None): the runner `make_runner(config)`
+    builds from `config` with its pool and length resolved. On a device with a memory limit and
+    no `num_pages` set, the pool is sized after the weights are placed, from the compiled step's
+    own peak (module docstring), and may shorten max_model_len when it was not set; elsewhere
+    the pool has a fixed default (serving/engine/shapes.py `kv_pool`)."""
+    util = check_utilization(config.gpu_memory_utilization)
+    sized = config.num_pages is None and device_limit() is not None
+    if sized:
+        max_model_len, num_pages = model_len_limit(model.cfg, config.max_model_len), None
+    else:
+        max_model_len, num_pages = kv_pool(
+            model.cfg, model.dtype, page_size=config.page_size, max_model_len=config.max_model_len,
+            num_pages=config.num_pages, max_num_seqs=config.max_num_seqs,
+        )  # fmt: skip
+    runner = make_runner(
+        dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages)
+    )
+    budget = None
+    if sized:  # the pool is allocated here, once the weights are placed
+        num_pages, max_model_len, budget = size_pool(
+            runner, util, max_model_len, may_shrink=config.max_model_len is None,
+            step_tokens=config.max_num_batched_tokens, exec_dir=compile_cache.exec_dir(),
+        )  # fmt: skip
+    return runner, num_pages, max_model_len, budget

@@ -21,20 +21,19 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdet import compile_cache, exec_cache
-from jdet.batch import build_batch, decode_batch
 from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan
-from jdet.step import SamplingInputs, make_score_fn, make_step_fn
+from jdet.step import make_score_fn, make_step_fn
 from jdet.tp_layout import kv_heads_in_cache
 from serving.constrained.logits_rows import LogitsRows
 from serving.engine import host_inputs as hi
-from serving.engine import sampler_variants
+from serving.engine import sampler_variants, step_inputs
 from serving.engine.host_inputs import SplitScore
 from serving.engine.page_manager import cdiv
 from serving.engine.shapes import ShapeSet
 from serving.engine.warmup import warmup, warmup_batch
-from serving.sequence import Sequence, num_rows, step_tokens
+from serving.sequence import Sequence
 from sharding.mesh import TP_AXIS
 from sharding.tp import make_tp_runtime
 
@@ -53,35 +52,33 @@ class ModelRunner:
     def __init__(
         self,
         model: Any,
+        config: Any,
         *,
-        invariance: str,
-        num_pages: int,
-        page_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        min_tokens_bucket: int | None = None,
-        min_seqs_bucket: int = 1,
-        min_pages_bucket: int = 32,
         kv_dtype: Any = None,
         step_fn: Callable | None = None,
-        tp: int = 1,
         sharded: bool | None = None,
         rows_per_seq: int = 1,
     ) -> None:
-        """`rows_per_seq`: sampled rows one sequence may take in a step (K + 1 with speculative
-        decoding, serving/speculative/speculator.py): the S bucket allows max_num_seqs of that
-        many."""
+        """`config`: the engine's `EngineConfig`, whole, with `max_model_len` and `num_pages`
+        resolved (`num_pages` None: the engine sizes the pool first, `allocate_kv`). What is not
+        config: the model (weights, model config), `rows_per_seq`: sampled rows one sequence may
+        take in a step (K + 1 with speculative decoding, serving/speculative/speculator.py: the S
+        bucket allows max_num_seqs of that many); `kv_dtype`, `step_fn`, `sharded`: for tests
+        and benchmarks."""
+        invariance, tp, page_size = config.invariance, config.tp, config.page_size
+        num_pages, max_model_len = config.num_pages, config.max_model_len
+        min_tokens_bucket, min_pages_bucket = config.min_tokens_bucket, config.min_pages_bucket
+        self.config = config
         self.cfg = model.cfg
         self.params = model.params
         self.page_size = page_size
         self.max_pages = cdiv(max_model_len, page_size)
         self.shapes = ShapeSet.build(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs * rows_per_seq,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs * rows_per_seq,
             max_pages=self.max_pages,
             min_tokens_bucket=min_tokens_bucket,
-            min_seqs_bucket=min_seqs_bucket,
+            min_seqs_bucket=config.min_seqs_bucket,
             min_pages_bucket=min_pages_bucket,
         )
         self._min_tokens_bucket, self._min_pages_bucket = min_tokens_bucket, min_pages_bucket
@@ -124,8 +121,7 @@ class ModelRunner:
         self.logits_rows = LogitsRows(model, self.cfg.vocab_size, replicated)
         self.invariance = invariance
         self.shapes_seen: set[tuple[int, int, int]] = set()
-        self._ahead_key: tuple | None = None  # prepare_ahead's sampling rows of the last plan
-        self._ahead_val: tuple | None = None
+        self.ahead_cache: tuple | None = None  # (key, rows) of the last decode plan
         # the sampler variants steps may run (sampler_variants.py `engine_variants`); warm-up
         # compiles exactly these
         self.variants = sampler_variants.engine_variants()
@@ -208,87 +204,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host side
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:
-        """The padded numpy StepBatch and SamplingInputs for `plan` (sequences that sample): one
-        sampled row per sequence, k + 1 for a speculative verify of k drafts
-        (serving/speculative/speculator.py)."""
-        T = sum(n for _, n in plan)
-        R = [num_rows(seq, n) for seq, n in plan]  # sampled rows: k + 1 for a verify
-        Tp, Sp, Pp = self.shapes.fit(T, sum(R), max(len(s.page_table) for s, _ in plan))
-        self.shapes_seen.add((Tp, Sp, Pp))
-        if T == len(plan) and sum(R) == T:  # one token, one sampled row each: a decode step
-            fast = self._prepare_decode(plan, Tp, Sp, Pp)
-            if fast is not None:
-                return fast
-        items = [(step_tokens(s, n), s.num_computed_tokens, s.page_table) for s, n in plan]
-        batch, _ = build_batch(items, self.page_size, logits=R, pad_tokens=Tp, pad_seqs=Sp,
-                               pad_pages=Pp, pad_rows=Sp)  # fmt: skip
-        temp = np.zeros(Sp, np.float32)
-        top_k = np.zeros(Sp, np.int32)
-        top_p = np.ones(Sp, np.float32)
-        seed = np.zeros(Sp, np.uint32)
-        spos = np.zeros(Sp, np.int32)
-        r0 = 0
-        first_row = []
-        for s, (seq, n) in enumerate(plan):
-            end = seq.num_computed_tokens + n
-            r = slice(r0, r0 + R[s])  # the sequence's last R[s] tokens are sampled
-            first_row.append(r0)
-            o = seq.options
-            temp[r], top_k[r], top_p[r] = o.temperature, o.top_k, o.top_p
-            seed[r] = seq.seed
-            spos[r] = np.arange(end - R[s], end) + 1  # where each sample goes
-            r0 += R[s]
-        want_top = any(s.options.logprobs for s, _ in plan)
-        transforms = any(s.options.needs_logits_inputs for s, _ in plan)
-        variant = sampler_variants.step_variant(temp, top_k, top_p, want_top, transforms,
-                                                self.variants)  # its sampler  # fmt: skip
-        built = self.logits_rows.build(plan, Sp, Pp * self.page_size, first_row)
-        sampling = SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed, position=spos,
-            logits=built if variant.transforms else None, **variant.fields(),
-        )  # fmt: skip
-        return batch, sampling
+        """The padded StepBatch and SamplingInputs of `plan`, sequences that sample
+        (step_inputs.py `sample_inputs`)."""
+        return step_inputs.sample_inputs(self, plan)
 
-    def _prepare_decode(self, plan: list[tuple[Sequence, int]], Tp: int, Sp: int, Pp: int) -> Any:
-        """`prepare` of a step that feeds each sequence one token and samples its row (the
-        synchronous engine's every decode step): `decode_batch`'s layout, which is
-        `build_batch`'s (tests/jdet/test_batch.py), and the plan's kept sampling rows; None
-        (the general path) when a row needs LogitsInputs."""
-        rows = self._ahead_rows(plan, Sp)
-        if rows is None:
-            return None
-        batch = decode_batch([s.token_ids[s.num_computed_tokens] for s, _ in plan],
-                             [s.num_computed_tokens for s, _ in plan],
-                             [s.page_table for s, _ in plan], self.page_size,
-                             pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
-        temp, top_k, top_p, seed, variant = rows
-        sampling = SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
-            position=batch.context_lens.copy(),  # the sampled token's position: last + 1
-            logits=self._neutral_logits(variant, Sp, Pp), **variant.fields(),
-        )  # fmt: skip
-        return batch, sampling
-
-    def _neutral_logits(self, variant: sampler_variants.Variant, Sp: int, Pp: int) -> Any:
+    def neutral_logits(self, variant: sampler_variants.Variant, Sp: int, Pp: int) -> Any:
         """SamplingInputs.logits of a step none of whose rows has transforms: the cached
         neutral LogitsInputs, or None in a variant without transforms (GREEDY)."""
         return self.logits_rows.neutral(Sp, Pp * self.page_size) if variant.transforms else None
 
     def prepare_score(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, np.ndarray]:
-        """The padded numpy StepBatch and targets [T] of score requests (`Sequence.targets`):
-        every computed row gives the log-prob of the token after it (the score function's
-        shapes: logits rows padded to the T bucket)."""
-        T = sum(n for _, n in plan)
-        Tp, Sp, Pp = self.shapes.fit(T, len(plan), max(len(s.page_table) for s, _ in plan))
-        items, targets, t0 = [], np.zeros(Tp, np.int32), 0
-        for seq, n in plan:
-            start = seq.num_computed_tokens
-            items.append((seq.token_ids[start : start + n], start, seq.page_table))
-            targets[t0 : t0 + n] = seq.targets[start : start + n]
-            t0 += n
-        batch, _ = build_batch(items, self.page_size, logits="all", pad_tokens=Tp, pad_seqs=Sp,
-                               pad_pages=Pp, pad_rows=Tp)  # fmt: skip
-        return batch, targets
+        """The padded StepBatch and targets [T] of score requests (step_inputs.py
+        `score_inputs`)."""
+        return step_inputs.score_inputs(self, plan)
 
     def dispatch_score(self, batch: Any, targets: np.ndarray) -> Any:
         """Launch the score function on a `prepare_score` batch (asynchronous, like `dispatch`):
@@ -297,74 +225,20 @@ class ModelRunner:
         return out
 
     def as_step(self, batch: Any) -> tuple[Any, Any]:
-        """A `prepare_score` batch as a step's inputs (rows: the S bucket's, greedy), for a
-        separate draft model, which writes its own K/V of the same tokens (its `mirror`)."""
-        Sp, Pp = batch.page_table.shape
-        z = np.zeros(Sp, np.float32)
-        sampling = SamplingInputs(
-            temperature=z, top_k=np.zeros(Sp, np.int32), top_p=z + 1,
-            seed=np.zeros(Sp, np.uint32), position=np.zeros(Sp, np.int32),
-            logits=self.logits_rows.neutral(Sp, Pp * self.page_size),
-        )  # fmt: skip
-        return dataclasses.replace(batch, logits_rows=np.zeros(Sp, np.int32)), sampling
+        """A `prepare_score` batch as a step's inputs, for a separate draft model's cache
+        (step_inputs.py `score_as_step`)."""
+        return step_inputs.score_as_step(self, batch)
 
     def prepare_ahead(self, plan: list[tuple[Sequence, int]], tokens: Any) -> tuple | None:
-        """The decode step after the one in flight, one row per sequence in the same order, its
-        input tokens the in-flight step's sampled `tokens` (a device array, never brought to the
-        host): sequence i's new token sits at position seq.num_tokens (the host does not know
-        it yet). Fewer `tokens` than the step's T bucket (an S bucket below its T bucket, e.g.
-        max_num_seqs=8 under a 16-token bucket) are padded on the device, as the host pads its
-        own token ids; None when there are more (the caller then runs the step the ordinary
-        way, after the host has the tokens)."""
-        S = len(plan)
-        Tp, Sp, Pp = self.shapes.fit(S, S, max(len(s.page_table) for s, _ in plan))
-        if tokens.ndim != 1 or tokens.shape[0] > Tp:
-            return None
-        if tokens.shape[0] < Tp:
-            tokens = self._pad_tokens(tokens.shape[0], Tp)(tokens)
-        rows = self._ahead_rows(plan, Sp)
-        if rows is None:
-            return None  # penalties, masks, grammar read the previous token on the host
-        self.shapes_seen.add((Tp, Sp, Pp))
-        batch = decode_batch([0] * S, [s.num_tokens for s, _ in plan],
-                             [s.page_table for s, _ in plan], self.page_size,
-                             pad_tokens=Tp, pad_seqs=Sp, pad_pages=Pp)  # fmt: skip
-        batch.token_ids = tokens
-        temp, top_k, top_p, seed, variant = rows
-        sampling = SamplingInputs(
-            temperature=temp, top_k=top_k, top_p=top_p, seed=seed,
-            position=batch.context_lens.copy(),
-            logits=self._neutral_logits(variant, Sp, Pp), **variant.fields(),
-        )  # fmt: skip
-        return batch, sampling
+        """The decode step after the one in flight, its input tokens that step's samples on
+        the device; None when the host must see them first (step_inputs.py `ahead_inputs`)."""
+        return step_inputs.ahead_inputs(self, plan, tokens)
 
-    def _pad_tokens(self, n: int, t: int) -> Callable:
+    def pad_tokens(self, n: int, t: int) -> Callable:
         """A device function padding n token ids to t with zeros (what the host pads with),
         placed like a step's input tokens (`place_tokens`): one executable of the step serves
         tokens from the host and from the device either way."""
         return _pad_fn(n, t, self.token_sharding)
-
-    def _ahead_rows(self, plan: list[tuple[Sequence, int]], Sp: int) -> tuple | None:
-        """The sampling rows (temperature, top_k, top_p, seed [Sp]) of a decode step of `plan`'s
-        sequences and its sampler variant (serving/engine/sampler_variants.py `Variant`),
-        or None if one of them needs LogitsInputs. Kept for the last plan: a steady
-        decode dispatches the same sequences step after step, and a sequence's options and seed
-        never change, so the arrays are built once, not once a step (the step only reads them:
-        never written after they are built)."""
-        key = (Sp, tuple(s.seq_id for s, _ in plan))
-        if self._ahead_key == key:
-            return self._ahead_val
-        val, S, opts = None, len(plan), [s.options for s, _ in plan]
-        if not any(o.needs_logits_inputs for o in opts):
-            pad = [0] * (Sp - S)
-            val = (np.array([o.temperature for o in opts] + pad, np.float32),
-                   np.array([o.top_k for o in opts] + pad, np.int32),
-                   np.array([o.top_p for o in opts] + [1] * (Sp - S), np.float32),
-                   np.array([s.seed for s, _ in plan] + pad, np.uint32))  # fmt: skip
-            want_top = any(o.logprobs for o in opts)
-            val += (sampler_variants.step_variant(*val[:3], want_top, False, self.variants),)
-        self._ahead_key, self._ahead_val = key, val
-        return val
 
     def warmup_batch(
         self, shape: tuple[int, int, int], kind: str = "step",

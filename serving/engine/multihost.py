@@ -81,10 +81,11 @@ class LeaderEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, *, checked: bool = False,
     ) -> int:  # fmt: skip
         opts = SamplingOptions.from_any(params)
-        seed = self.engine.add_request(request_id, prompt_token_ids, opts, arrival_time)
+        seed = self.engine.add_request(request_id, prompt_token_ids, opts, arrival_time,
+                                       checked=checked)  # fmt: skip
         # the followers get the seed drawn here, never their own (Engine.add_request)
         sent = _opts_json(dataclasses.replace(opts, seed=seed))
         self._commands.append(["add", request_id, [int(t) for t in prompt_token_ids], sent])
@@ -123,7 +124,7 @@ class LeaderEngine:
 def apply_command(engine: Engine, cmd: list) -> None:
     kind, rid = cmd[0], cmd[1]
     if kind == "add":
-        engine.add_request(rid, cmd[2], _opts_from_json(cmd[3]))
+        engine.add_request(rid, cmd[2], _opts_from_json(cmd[3]), checked=True)  # by process 0
     elif kind == "score":
         engine.add_score(rid, cmd[2])
     elif kind == "abort":

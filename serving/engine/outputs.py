@@ -10,7 +10,6 @@ the public `jdet.RequestOutput` (jdet/sampling_params.py; serving/engine/llm_bac
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,33 +167,3 @@ def request_update(req: Request, now: float, metrics: Any) -> RequestUpdate:
         first = [s.first_token_time for s in req.seqs if s.first_token_time]
         out.metrics = {"e2e": e2e, "ttft": min(first) - req.arrival_time if first else e2e}
     return out
-
-
-class Reporting:
-    """`Engine._report` (serving/engine/engine.py mixes it in): what a step shows its callers."""
-
-    def _report(self) -> list[RequestUpdate]:
-        """Detokenise pending sequences, apply stop strings, and build the per-request outputs."""
-        touched: dict[str, None] = {}
-        now = time.perf_counter()
-        for seq in list(self._pending):
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            try:
-                if req.error is None:
-                    detokenize(seq, self.tokenizer, self.scheduler.finish)
-            except Exception as e:  # noqa: BLE001 - one request's text cannot hurt the others
-                log.warning("request %s failed in detokenisation: %r", seq.request_id, e)
-                self.fail_request(seq.request_id, f"detokenisation failed: {e}")
-            observe_latency(seq, now, self.metrics)
-            touched[seq.request_id] = None
-        self._pending.clear()
-        outputs = []
-        for rid in touched:
-            req = self.requests[rid]
-            out = request_update(req, now, self.metrics)
-            if out.finished:
-                del self.requests[rid]
-            outputs.append(out)
-        return outputs

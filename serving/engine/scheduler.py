@@ -31,6 +31,7 @@ sequence can be admitted, the step holds prefills only and running decodes stall
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from serving.engine.page_manager import PageManager
 from serving.sequence import Sequence, Status
@@ -103,6 +104,28 @@ class Scheduler:
                 self._add_drafts(plan, budget)  # speculative decoding, exact mode
         self._admit_waiting(plan, budget)
         return list(plan.items())
+
+    def steady(
+        self, plan: list[tuple[Sequence, int]], max_model_len: int, also: Callable | None = None
+    ) -> bool:
+        """Whether the step after `plan` is known on the host before `plan`'s tokens are: no
+        sequence waits, `plan` holds every running sequence, `also(plan)` agrees (speculative
+        decoding's `can_run_ahead`, asked at this point of the checks), each sequence computes
+        its last token (it samples), and none is certain to end after one more (max_tokens,
+        max_model_len)."""
+        if self.waiting or len(plan) != len(self.running):
+            return False
+        if also is not None and not also(plan):
+            return False
+        for seq, n in plan:
+            o = seq.options
+            if seq.status is not Status.RUNNING or n != seq.num_uncomputed:
+                return False
+            if seq.num_tokens + 2 > max_model_len or (
+                o.max_tokens is not None and seq.num_output_tokens + 2 > o.max_tokens
+            ):
+                return False
+        return True
 
     def _add_drafts(self, plan: dict, budget: list[int]) -> None:
         """Speculative decoding (serving/speculative/speculator.py): once every decode has its

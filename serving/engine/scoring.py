@@ -13,17 +13,17 @@ page pool, two device calls (sampling and scoring compile to two functions of th
 Since no row's bits depend on the batch (DESIGN §1), a score is bitwise the sampler's log-probs
 of the same tokens however it is chunked, batched or preempted.
 
-Why a mixed step (`Engine.num_mixed_steps` counts them) is two device calls, not one executable:
-one would be a third function kind, a forward over both batches merged with the LM head on every
-score row and the sampled rows, returning samples and log-probs. Its bits would be the same in
-the invariant modes, but (1) the engine compiles every shape of every kind before it serves
+Why a mixed step (`Engine.num_mixed_steps` counts them) is two device calls, not one executable: one
+would be a third function kind, a forward over both batches merged with the LM head on every score
+row and the sampled rows, returning samples and log-probs. Its bits would be the same in the
+invariant modes, but (1) the engine compiles every shape of every kind before it serves
 (serving/engine/shapes.py); a merged kind is a third shape set, whose logits rows follow the T
-bucket, compiled by every engine that may score or else mid-serving (the stall warm-up exists
-to avoid); (2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend on
-whether a score request shared its step; (3) the step's other consumers (dispatch-ahead, the
-speculative verify, a draft model's `mirror`) take the step function's batch as it is. The cost
-of two calls is a second pass over the weights in a mixed step (a decode-bound step reads them
-twice); no measurement yet says it is worth a third kind.
+bucket, compiled by every engine that may score or else mid-serving (the stall warm-up exists to
+avoid); (2) in "none" a row's matmuls follow the batch, so a sampling row's bits would then depend
+on whether a score request shared its step; (3) the step's other consumers (dispatch-ahead, the
+speculative verify, a draft model's `mirror`) take the step function's batch as it is. The cost of
+two calls is a second pass over the weights in a mixed step (a decode-bound step reads them twice);
+no measurement yet says it is worth a third kind.
 
 Prefix cache: a row's log-prob needs that row's logits, so a score request reads cached pages
 only for rows it has already scored (the recompute after a preemption, serving/engine/scheduler.py);
@@ -32,7 +32,6 @@ its computed pages are published like any prompt's, so a later request with that
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -41,60 +40,36 @@ from serving.sampling_options import InvalidRequest, SamplingOptions, check_prom
 from serving.sequence import Request, Sequence, Status
 
 
-class Scoring:
-    """The score-request methods of serving/engine/engine.py's `Engine` (module docstring)."""
+def score_request(
+    request_id: str, token_ids: list[int], *, vocab_size: int, max_model_len: int, now: float
+) -> Request:
+    """The engine request that scores `token_ids` (checked here: at least 2 tokens, each in the
+    vocabulary, at most max_model_len): one prefill-only sequence of all tokens but the last,
+    whose targets are all tokens but the first."""
+    if not isinstance(token_ids, list | tuple) or len(token_ids) < 2:
+        raise InvalidRequest(
+            "token_ids", "a score request needs at least 2 tokens (the first has no log-prob)"
+        )
+    V, L = vocab_size, max_model_len
+    check_prompt_ids(list(token_ids[:-1]), vocab_size=V, max_model_len=L, field="token_ids")
+    check_prompt_ids(list(token_ids[-1:]), vocab_size=V, max_model_len=L, field="token_ids")
+    toks = [int(t) for t in token_ids]
+    seq = Sequence(request_id, 0, toks[:-1], SamplingOptions(), seed=0, arrival_time=now,
+                   targets=toks[1:])  # fmt: skip
+    return Request(request_id, toks, 0, [seq], now)
 
-    requests: dict[str, Request]
-    num_mixed_steps: int
 
-    def add_score(
-        self, request_id: str, token_ids: list[int], arrival_time: float | None = None
-    ) -> None:
-        """Queue a score request of `token_ids` (at least 2 tokens, at most max_model_len); its
-        final output carries `scores` (len(token_ids) - 1 log-probs)."""
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
-        if not isinstance(token_ids, list | tuple) or len(token_ids) < 2:
-            raise InvalidRequest(
-                "token_ids", "a score request needs at least 2 tokens (the first has no log-prob)"
-            )
-        V, L = self.cfg.vocab_size, self.max_model_len
-        check_prompt_ids(list(token_ids[:-1]), vocab_size=V, max_model_len=L, field="token_ids")
-        check_prompt_ids(list(token_ids[-1:]), vocab_size=V, max_model_len=L, field="token_ids")
-        toks = [int(t) for t in token_ids]
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        seq = Sequence(request_id, 0, toks[:-1], SamplingOptions(), seed=0, arrival_time=now,
-                       targets=toks[1:])  # fmt: skip
-        self.requests[request_id] = Request(request_id, toks, 0, [seq], now)
-        self.scheduler.add(seq)
-        self.metrics.prompt_tokens.inc(len(toks))
-
-    def _dispatch_score(self, prepared: tuple[Any, np.ndarray] | None) -> Any:
-        """Launch this step's score rows (None: none); a separate draft model's cache follows
-        them as it follows every step (serving/speculative/draft_model.py `mirror`)."""
-        if prepared is None:
-            return None
-        out = self.runner.dispatch_score(*prepared)
-        if self.speculator is not None:
-            self.speculator.mirror(self.runner.as_step(prepared[0]))
-        return out
-
-    def _apply_scores(self, plan: list[tuple[Sequence, int]], out: Any) -> None:
-        """Record the log-probs of a step's score rows (in `plan` order, as `prepare_score` laid
-        them out), account their K/V, and finish the score requests whose rows are all scored."""
-        res = np.asarray(out)
-        r = 0
-        for seq, n in plan:
-            if seq.status is Status.RUNNING:
-                start = seq.num_computed_tokens
-                seq.scores[start : start + n] = res[r : r + n].tolist()
-                seq.num_scored = max(seq.num_scored, start + n)
-            r += n
-        self.scheduler.advance(plan)
-        for seq, _ in plan:
-            if seq.status is Status.RUNNING and seq.num_uncomputed == 0:
-                self._finish(seq, "stop")
-                self._pending[seq] = None
+def record_scores(plan: list[tuple[Sequence, int]], out: Any) -> None:
+    """Write a step's score rows (`out`, in `plan` order, as the runner's `prepare_score` laid
+    them out) into their sequences' `scores`."""
+    res = np.asarray(out)
+    r = 0
+    for seq, n in plan:
+        if seq.status is Status.RUNNING:
+            start = seq.num_computed_tokens
+            seq.scores[start : start + n] = res[r : r + n].tolist()
+            seq.num_scored = max(seq.num_scored, start + n)
+        r += n
 
 
 def split_scores(plan: list[tuple[Sequence, int]]) -> tuple[list, list]:

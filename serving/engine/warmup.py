@@ -51,7 +51,7 @@ def warmup_batch(
         top_p=z + (0.9 if variant.filter_topk_topp else 1.0),
         seed=np.zeros(Sp, np.uint32),
         position=cl.copy(),
-        logits=runner._neutral_logits(variant, Sp, Pp),
+        logits=runner.neutral_logits(variant, Sp, Pp),
         **variant.fields(),
     )
     return StepBatch(tok, pos, slot, qs, cl, pt, rows), sampling
@@ -78,7 +78,7 @@ def warmup(
     Returns the seconds."""
     if kind == "step":  # from now on the steps run only the variants compiled here
         runner.variants = sampler_variants.engine_variants()  # the set now (tests may set it)
-        runner._ahead_key = None  # rows prepared with a variant of an earlier set
+        runner.ahead_cache = None  # rows prepared with a variant of an earlier set
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
     fn = runner.score_step() if kind == "score" else runner.step_fn
@@ -125,7 +125,7 @@ def warmup(
                 runner.shapes_seen.add(shape)
                 T, S, _ = shape
                 if S < T:  # an ahead step's sampled tokens padded to T on the device
-                    jax.block_until_ready(runner._pad_tokens(S, T)(out.tokens))
+                    jax.block_until_ready(runner.pad_tokens(S, T)(out.tokens))
     finally:
         if bar is not None:
             bar.close()

@@ -226,7 +226,7 @@ def test_engines_on_one_model_share_one_compiled_step(serving_model, mode):
     assert jitted(a.runner.score_step()) is jitted(b.runner.score_step())
 
 
-def _fault_scenario(model, *, isolate: bool):
+def _fault_scenario(model):
     """Eight requests share the steps; "bad" raises inside the batch build once it has 2 tokens."""
     from tests.serving.engine.test_engine_invariance import others
 
@@ -242,8 +242,6 @@ def _fault_scenario(model, *, isolate: bool):
             raise OverflowError("injected: a value the step's int32 arrays cannot hold")
 
     eng.fault_injector = injector
-    if not isolate:  # the broken variant: no attribution, so the fault is the whole step's
-        eng._faulty = lambda item: False
     for rid, ids, params in reqs:
         eng.add_request(rid, ids, params)
     return eng, reqs, fired
@@ -252,7 +250,7 @@ def _fault_scenario(model, *, isolate: bool):
 def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(serving_model):
     from tests.serving.engine.test_engine_invariance import bits
 
-    eng, reqs, fired = _fault_scenario(serving_model, isolate=True)
+    eng, reqs, fired = _fault_scenario(serving_model)
     got = {o.request_id: o for o in eng.run()}
     assert fired and len(fired[0]) == 7  # it fired mid-flight, with all seven others running
     bad = got["bad"]
@@ -268,12 +266,17 @@ def test_a_fault_in_one_request_ends_it_alone_and_the_others_keep_their_bits(ser
             assert np.array_equal(t1, t2) and np.array_equal(l1, l2) and k1 == k2, rid
 
 
-def test_negative_control_without_attribution_the_fault_ends_every_request(serving_model):
+def test_negative_control_without_attribution_the_fault_ends_every_request(
+    serving_model, monkeypatch
+):
     """The same fault, with culprit-finding disabled: the step fails for all, which the test
     above would see as missing outputs. The engine still recovers to a clean, usable state."""
+    from serving.engine import faults
     from serving.engine.faults import EngineStepError
 
-    eng, reqs, fired = _fault_scenario(serving_model, isolate=False)
+    # the broken variant: no attribution, so the fault is the whole step's
+    monkeypatch.setattr(faults, "raises", lambda build, item: False)
+    eng, reqs, fired = _fault_scenario(serving_model)
     with pytest.raises(EngineStepError, match="OverflowError"):
         eng.run()
     assert fired and not eng.has_unfinished()

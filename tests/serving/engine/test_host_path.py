@@ -42,7 +42,7 @@ def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
 def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeypatch):
     """The rows prepare_ahead keeps belong to one plan; another plan (other sequences or order)
     gets its own, each row that of its sequence."""
-    from serving.engine import sampler_variants
+    from serving.engine import sampler_variants, step_inputs
 
     monkeypatch.setattr(sampler_variants, "VARIANTS", (LEAN, FULL))  # a GPU's set, on a CPU too
     eng = Engine(serving_model, **SETTINGS)
@@ -55,7 +55,7 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeyp
 
     def rows(order):
         plan = [(seqs[i], 1) for i in order]
-        *arrays, variant = r._ahead_rows(plan, 4)  # and the step's sampler variant
+        *arrays, variant = step_inputs.ahead_rows(r, plan, 4)  # and the step's sampler variant
         # the variant of its rows: only the greedy sequence alone needs no top-k/top-p filter
         assert variant == (LEAN if order == [1] else FULL), order
         return [np.asarray(a).copy() for a in arrays]
@@ -79,11 +79,11 @@ def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeyp
 
 def _generate(model, monkeypatch, decode_path) -> dict:
     """Outputs of a mixed request set through the synchronous engine, with `decode_path`
-    standing in for ModelRunner._prepare_decode (None: the general build_batch path)."""
-    from serving.engine.model_runner import ModelRunner
+    standing in for step_inputs.decode_inputs (None: the general build_batch path)."""
+    from serving.engine import step_inputs
 
     if decode_path is not None:
-        monkeypatch.setattr(ModelRunner, "_prepare_decode", decode_path)
+        monkeypatch.setattr(step_inputs, "decode_inputs", decode_path)
     eng = Engine(model, **SETTINGS, async_scheduling="off")
     rng = np.random.default_rng(3)
     reqs = [dict(temperature=0.0, max_tokens=9, logprobs=2),
@@ -105,9 +105,9 @@ def test_decode_fast_path_gives_the_general_paths_bits(serving_model, monkeypatc
     """The synchronous engine's decode steps (decode_batch + the plan's kept sampling rows) give
     the bits of build_batch's general path: tokens, log-probs, top log-probs, greedy and seeded,
     top-k/top-p, n > 1, and a penalised row (which takes the general path itself)."""
-    from serving.engine.model_runner import ModelRunner
+    from serving.engine import step_inputs
 
-    real = ModelRunner._prepare_decode
+    real = step_inputs.decode_inputs
     calls = []
 
     def counted(self, *a):
