@@ -95,8 +95,8 @@ class EngineDriver:
                     break
                 if kind == "add":
                     try:
-                        eng.add_request(rid, ids, opts)
-                    except Exception as e:  # noqa: BLE001 - validated before; a last line of defence
+                        eng.add_request(rid, ids, opts, checked=True)  # the server checked it
+                    except Exception as e:  # noqa: BLE001 - a last line of defence
                         if isinstance(e, ValueError):
                             err = RequestError(str(e), getattr(e, "field", None))
                         else:  # a bug, but this request's alone: the engine thread lives on

@@ -2,8 +2,11 @@
 
 `parse` turns JSON bytes into one of serving/http/protocol.py's schemas, refusing (as a RequestError
 naming the field) malformed JSON, bodies nested deeper than MAX_JSON_DEPTH, lone surrogates,
-unsupported and unknown fields; `check_prompt` and `sampling_options` add the checks that need the
-model and end in the shared boundary check (jdet/request_fields.py `check`).
+unsupported and unknown fields; `sampling_options` gives the engine's options for one prompt (the
+endpoint's defaults and max_tokens against what the prompt leaves). Their values are checked
+once, by the engine's admission (serving/engine/admission.py: jdet/request_fields.py's bounds,
+the vocabulary, the grammar), which the server calls; `request_error` names the field as the
+client spelled it.
 
 Defaults are OpenAI's where the OpenAI API has one: /v1/completions without `max_tokens` generates
 at most 16 tokens (`COMPLETIONS_MAX_TOKENS`); /v1/chat/completions without `max_tokens` or
@@ -30,7 +33,7 @@ from serving.http.protocol import (
     RequestError,
     clip,
 )
-from serving.sampling_options import InvalidRequest, SamplingOptions, check_prompt_ids
+from serving.sampling_options import SamplingOptions
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -130,24 +133,20 @@ def parse(raw: bytes, schema: type[CommonRequest]) -> Any:
     return req
 
 
-def check_prompt(ids: list[int], *, vocab_size: int, max_model_len: int, param: str) -> None:
-    """The shared prompt check (serving/sampling_options.py), as a RequestError naming `param`."""
-    try:
-        check_prompt_ids(ids, vocab_size=vocab_size, max_model_len=max_model_len, field=param)
-    except InvalidRequest as e:
-        raise RequestError(str(e), param) from None
+def request_error(req: CommonRequest | None, e: ValueError) -> RequestError:
+    """An engine check's InvalidRequest (serving/engine/admission.py) as the client's 400,
+    naming the field as the request spelled it (chat's max_completion_tokens)."""
+    field = getattr(e, "field", None)
+    if field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        field = "max_completion_tokens"
+    return RequestError(str(e), field)
 
 
-def sampling_options(
-    req: CommonRequest,
-    *,
-    prompt_len: int,
-    max_model_len: int,
-    vocab_size: int | None = None,
-) -> SamplingOptions:
-    """Engine sampling options for one prompt of a validated request: the table's fields it
-    sent, the endpoint's own (chat's logprobs / top_logprobs, max_completion_tokens,
-    response_format), its defaults, then the shared boundary check."""
+def sampling_options(req: CommonRequest, *, prompt_len: int, max_model_len: int) -> SamplingOptions:
+    """Engine sampling options for one prompt of a parsed request: the table's fields it sent,
+    the endpoint's own (chat's logprobs / top_logprobs, max_completion_tokens,
+    response_format) and its defaults, unchecked: the engine's admission checks them, once
+    (serving/engine/admission.py; the server calls it)."""
     values = req.sampling_values()
     room = max_model_len - prompt_len
     field = "max_tokens"
@@ -167,10 +166,7 @@ def sampling_options(
             f"max_model_len={max_model_len}; ask for at most {room}",
             field,
         )
-    try:
-        opts = SamplingOptions.from_any(values)
-        if req.structured():
-            opts = dataclasses.replace(opts, structured=opts.structured + req.structured())
-        return opts.check(vocab_size)
-    except InvalidRequest as e:  # the shared bounds (int32, u32 seeds, vocabulary)
-        raise RequestError(str(e), field if e.field == "max_tokens" else e.field) from None
+    opts = SamplingOptions.from_any(values)
+    if req.structured():
+        opts = dataclasses.replace(opts, structured=opts.structured + req.structured())
+    return opts

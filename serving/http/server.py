@@ -36,7 +36,7 @@ from serving.engine.outputs import RequestUpdate
 from serving.http.auth import ApiKeyMiddleware
 from serving.http.driver import ServerState
 from serving.http.protocol import ChatCompletionRequest, CompletionRequest, RequestError, clip
-from serving.http.request_parsing import check_prompt, parse, sampling_options
+from serving.http.request_parsing import parse, request_error, sampling_options
 from serving.http.responses import (
     ClientGone,
     chat_logprobs,
@@ -49,7 +49,7 @@ from serving.http.responses import (
     stream_finish,
     usage,
 )
-from serving.sampling_options import SamplingOptions
+from serving.sampling_options import InvalidRequest, SamplingOptions
 
 log = logging.getLogger("jdet.server")
 
@@ -204,24 +204,31 @@ class Generation:
             ) from None
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        """Token ids in the vocabulary, shorter than max_model_len."""
-        eng = self.eng
-        check_prompt(ids, vocab_size=eng.cfg.vocab_size, max_model_len=eng.max_model_len,
-                     param=param)  # fmt: skip
+        """Token ids in the vocabulary, shorter than max_model_len (the engine's admission)."""
+        try:
+            self.eng.admission.check_prompt(ids, param)
+        except InvalidRequest as e:
+            raise RequestError(str(e), param) from None
 
     def options(self, req: Any, ids: list[int]) -> SamplingOptions:
-        """The engine's options for one prompt, through the shared boundary check."""
-        eng = self.eng
-        return sampling_options(req, prompt_len=len(ids), max_model_len=eng.max_model_len,
-                                vocab_size=eng.cfg.vocab_size)  # fmt: skip
+        """The engine's options for one prompt (checked by `check_options`)."""
+        return sampling_options(req, prompt_len=len(ids), max_model_len=self.eng.max_model_len)
 
-    async def check_transforms(self, opts: SamplingOptions) -> None:
-        """Compile the structured-output constraint (and tokenise bad_words) in a worker thread,
-        so a bad schema is this request's 400 and a large one never stalls the event loop."""
+    async def check_options(self, req: Any, opts: list[SamplingOptions]) -> None:
+        """The engine's admission check of each distinct options (the one check of a request's
+        values, serving/engine/admission.py), in a worker thread: a structured-output grammar
+        compiles there, so a bad schema is this request's 400 and a large one never stalls the
+        event loop. The engine then takes the request as checked."""
+        distinct = list(dict.fromkeys(opts))
+
+        def run() -> None:
+            for o in distinct:
+                self.eng.admission.check_options(o)
+
         try:
-            await asyncio.to_thread(self.eng.runner.logits_rows.check, opts)
-        except ValueError as e:
-            raise RequestError(str(e), getattr(e, "field", None)) from None
+            await asyncio.to_thread(run)
+        except ValueError as e:  # InvalidRequest, naming the field
+            raise request_error(req, e) from None
 
     def submit(
         self, prompts: list[list[int]], opts: list[SamplingOptions], prefix: str, kind: str
@@ -247,7 +254,7 @@ class Generation:
             self.check_prompt(ids, "prompt")
             prompts.append(ids)
         opts = [self.options(req, ids) for ids in prompts]
-        await self.check_transforms(opts[0])  # the same constraint for every prompt
+        await self.check_options(req, opts)
         echoes = [  # echo=true: each choice's text starts with its prompt
             ("" if not req.echo else p if isinstance(p, str) else decode_text(self.tok, p))
             for p in req.prompts()
@@ -308,7 +315,7 @@ class Generation:
                                 param="messages")  # fmt: skip
         self.check_prompt(ids, "messages")
         opts = self.options(req, ids)
-        await self.check_transforms(opts)
+        await self.check_options(req, [opts])
         rids, q, head = self.submit([ids], [opts], "chatcmpl", "chat.completion")
         if req.stream:
             return self.stream_chat(req, opts.n, ids, rids, q, head)

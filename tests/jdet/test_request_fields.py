@@ -58,9 +58,9 @@ def test_a_misspelled_request_field_is_a_400_naming_the_near_field(schema):
 
 def test_defaults_are_openais_completions_16_and_chat_the_rest_of_the_context():
     cmpl = parse(b'{"model": "m", "prompt": "hi"}', CompletionRequest)
-    opts = sampling_options(cmpl, prompt_len=10, max_model_len=100, vocab_size=320)
+    opts = sampling_options(cmpl, prompt_len=10, max_model_len=100)
     assert opts.max_tokens == COMPLETIONS_MAX_TOKENS == 16
-    short = sampling_options(cmpl, prompt_len=95, max_model_len=100, vocab_size=320)
+    short = sampling_options(cmpl, prompt_len=95, max_model_len=100)
     assert short.max_tokens == 5  # what the context leaves
     chat = parse(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
                  ChatCompletionRequest)  # fmt: skip
