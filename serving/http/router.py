@@ -19,10 +19,13 @@ Failures: a request whose replica dies before any byte reached the client is ret
 replica in its ranking (the same bits, since every replica gives them); a stream already under
 way ends with an error event. A replica that exits is restarted (its port kept); /health
 aggregates the replicas (200 while any serves) and /metrics relays each replica's series with a
-`replica` label beside the router's own.
+`replica` label beside the router's own (router_metrics.py).
 
 Shutdown: uvicorn stops accepting connections and waits for the requests in flight (drain);
 then each replica gets SIGTERM (it drains its own) and, after REPLICA_STOP_TIMEOUT, SIGKILL.
+
+The replicas themselves (processes, devices, health checks, restarts) are in replicas.py; this
+module routes and relays.
 """
 
 from __future__ import annotations
@@ -30,18 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -52,17 +47,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from serving.http.auth import ApiKeyMiddleware
 from serving.http.protocol import RequestError
+from serving.http.replicas import Replica, ReplicaSet
+from serving.http.router_metrics import RouterStats, label_series, merge_families, router_metrics
 
 log = logging.getLogger("jdet.router")
 
 ROUTE_PREFIX_CHARS = 1024  # characters (or token ids) of the prompt that pick the replica
 BALANCE_SLACK = 16  # in-flight requests a replica may hold beyond the least busy one's
-HEALTH_INTERVAL = 1.0  # seconds between health checks of each replica
-HEALTH_MISSES = 5  # unanswered health checks in a row before a running replica counts as down
-HEALTH_TIMEOUT = 10.0  # seconds a replica has to answer /health
-REPLICA_STOP_TIMEOUT = 30.0  # seconds a replica gets to drain after SIGTERM
 DISCONNECT_POLL = 0.5  # seconds between checks that a waiting client is still there
-RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a replica that exited
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
 
 
@@ -99,183 +91,6 @@ def ranking(key: bytes, replicas: Sequence[int]) -> list[int]:
     return sorted(replicas, key=weight, reverse=True)
 
 
-# --------------------------------------------------------------------------------- replicas
-@dataclasses.dataclass
-class Replica:
-    """One engine replica: a `jdet serve` subprocess on 127.0.0.1:port, or a server someone else
-    runs at `url` (`ReplicaSet.external`: pods of an orchestrator)."""
-
-    index: int
-    port: int
-    devices: str | None  # CUDA_VISIBLE_DEVICES for it (None: inherit)
-    url: str | None = None
-    proc: subprocess.Popen | None = None
-    ready: bool = False  # healthy and agreeing with the others' fingerprint: gets requests
-    healthy: bool = False  # its last /health said 200
-    warm: bool = False  # passed a health check since it was (re)started
-    status: str = "starting"
-    fingerprint: str | None = None
-    in_flight: int = 0
-    restarts: int = 0
-    misses: int = 0  # health checks in a row without an answer
-    routed: int = 0
-    failed: int = 0
-    next_start: float = 0.0
-
-    @property
-    def base(self) -> str:
-        return self.url or f"http://127.0.0.1:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        """Its process runs (an external replica: always; its health check decides)."""
-        if self.url is not None:
-            return True
-        return self.proc is not None and self.proc.poll() is None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def replica_devices(n: int, tp: int, visible: str | None) -> list[str | None]:
-    """Each replica's CUDA_VISIBLE_DEVICES: consecutive groups of `tp` of the visible GPUs (the
-    parent's CUDA_VISIBLE_DEVICES, else 0, 1, ...). On a host without GPUs the variable is
-    ignored and every replica has the host's CPU devices to itself."""
-    ids = visible.split(",") if visible else [str(i) for i in range(n * tp)]
-    if len(ids) < n * tp:
-        raise ValueError(
-            f"--data-parallel {n} x --tp {tp} needs {n * tp} GPUs but CUDA_VISIBLE_DEVICES "
-            f"lists {len(ids)}; lower --data-parallel or --tp"
-        )
-    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(n)]  # fmt: skip
-
-
-class ReplicaSet:
-    """Starts, watches and restarts the replicas; knows which can serve."""
-
-    def __init__(self, serve_kwargs: dict, n: int, api_key: str | None) -> None:
-        self.serve_kwargs = serve_kwargs
-        self.api_key = api_key
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = replica_devices(n, int(serve_kwargs.get("tp", 1)), visible)
-        self.replicas = [Replica(i, free_port(), gpus[i]) for i in range(n)]
-        self.fingerprint: str | None = None  # the replicas' common one (`decide`)
-        self.stopping = False
-
-    def command(self, r: Replica) -> list[str]:
-        kw = {**self.serve_kwargs, "host": "127.0.0.1", "port": r.port, "data_parallel": 1}
-        return [sys.executable, "-m", "serving.http.replica", json.dumps(kw)]
-
-    def start(self, r: Replica) -> None:
-        env = dict(os.environ)
-        if r.devices is not None and visible_gpus_matter():
-            env["CUDA_VISIBLE_DEVICES"] = r.devices
-        if self.api_key:
-            env["JDET_API_KEY"] = self.api_key  # not on the command line, which ps shows
-        r.proc = subprocess.Popen(self.command(r), env=env)
-        r.ready, r.healthy, r.warm, r.status, r.misses = False, False, False, "starting", 0
-        log.info("replica %d: started (pid %d, port %d)", r.index, r.proc.pid, r.port)
-
-    @classmethod
-    def external(cls, urls: Sequence[str]) -> ReplicaSet:
-        """Replicas that run elsewhere (e.g. one `jdet serve` pod each): routed to and checked,
-        never started or restarted here."""
-        rs = cls.__new__(cls)
-        rs.serve_kwargs, rs.api_key, rs.fingerprint, rs.stopping = {}, None, None, False
-        rs.replicas = [Replica(i, 0, None, url=u.rstrip("/")) for i, u in enumerate(urls)]
-        return rs
-
-    def start_all(self) -> None:
-        """Replica 0 first, the others once it is warm: they then load its compiled steps from
-        the persistent caches instead of compiling the same shapes at the same time."""
-        if self.replicas[0].url is None:
-            self.start(self.replicas[0])
-
-    async def watch(self, client: httpx.AsyncClient) -> None:
-        """Every HEALTH_INTERVAL: each replica's /health; start the waiting ones, restart the
-        ones that exited (with a growing backoff)."""
-        while not self.stopping:
-            first = self.replicas[0]
-            for r in self.replicas:
-                if r.url is not None:
-                    pass
-                elif r.proc is None and r is not first and (first.ready or not first.alive):
-                    self.start(r)
-                elif r.proc is not None and not r.alive and not self.stopping:
-                    if r.status != "exited":
-                        r.ready, r.healthy, r.status = False, False, "exited"
-                        r.restarts += 1
-                        wait = min(RESTART_BACKOFF[0] * 2 ** (r.restarts - 1), RESTART_BACKOFF[1])
-                        r.next_start = time.monotonic() + wait
-                        log.error("replica %d exited (status %s); restarting in %.0f s",
-                                  r.index, r.proc.returncode, wait)  # fmt: skip
-                    elif time.monotonic() >= r.next_start:
-                        self.start(r)
-            await asyncio.gather(*(self.check(r, client) for r in self.replicas if r.alive))
-            self.decide()
-            await asyncio.sleep(HEALTH_INTERVAL)
-
-    async def check(self, r: Replica, client: httpx.AsyncClient) -> None:
-        """One /health of `r`: whether it answers 200 and with which fingerprint."""
-        try:
-            resp = await client.get(r.base + "/health", timeout=HEALTH_TIMEOUT)
-            body = resp.json()
-        except (httpx.HTTPError, ValueError):
-            # a busy replica may answer late; a dead one is caught by its exit or a lost request
-            r.misses += 1
-            if r.status == "starting" or r.misses >= HEALTH_MISSES:
-                r.healthy = False
-                r.status = "starting" if r.status == "starting" else "unreachable"
-            return
-        r.misses = 0
-        r.fingerprint = body.get("system_fingerprint")
-        r.healthy = resp.status_code == 200 and r.fingerprint is not None
-        r.status = body.get("status", str(resp.status_code))
-
-    def decide(self) -> None:
-        """Which replicas serve: the healthy ones that report the fingerprint most healthy
-        replicas report (ties: the lowest replica's). A replica with another fingerprint (other
-        weights, settings, versions or device kind) would give other bits: it gets nothing."""
-        fps = [r.fingerprint for r in self.replicas if r.healthy]
-        if fps:
-            counts = Counter(fps)
-            ref = next(f for f in fps if counts[f] == max(counts.values()))
-            if self.fingerprint not in (None, ref):
-                log.warning("replicas now agree on fingerprint %s, not %s", ref, self.fingerprint)
-            self.fingerprint = ref
-        for r in self.replicas:
-            r.ready = r.healthy and r.fingerprint == self.fingerprint
-            r.warm = r.warm or r.ready
-            if r.healthy and not r.ready:
-                r.status = f"fingerprint {r.fingerprint} differs from {self.fingerprint}"
-
-    def serving(self) -> list[int]:
-        return [r.index for r in self.replicas if r.ready and r.alive]
-
-    def stop(self) -> None:
-        """SIGTERM to every replica (each drains its requests), SIGKILL after the timeout."""
-        self.stopping = True
-        procs = [r.proc for r in self.replicas if r.alive]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + REPLICA_STOP_TIMEOUT
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def visible_gpus_matter() -> bool:
-    """Whether to give each replica its own CUDA_VISIBLE_DEVICES: not when JAX is held to the
-    CPU, where the replicas share the host's CPU devices anyway."""
-    return os.environ.get("JAX_PLATFORMS", "").strip().lower() not in ("cpu",)
-
-
 # ----------------------------------------------------------------------------------- router
 class ReplicaLost(Exception):
     """The replica closed the connection or could not be reached (died, restarting)."""
@@ -283,12 +98,6 @@ class ReplicaLost(Exception):
 
 class ClientGone(Exception):
     """The client closed its connection before the answer was complete."""
-
-
-@dataclasses.dataclass
-class RouterStats:
-    retries: int = 0
-    unroutable: int = 0
 
 
 def build_router(
@@ -492,75 +301,6 @@ async def read_body(request: Request, limit: int) -> bytes:
                                None, 413, "request_too_large")  # fmt: skip
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def router_metrics(replicas: ReplicaSet, stats: RouterStats) -> str:
-    lines = []
-
-    def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-    rs = replicas.replicas
-    family("jdet_router_replica_up", "gauge", "1 while the replica serves",
-           [(f'{{replica="{r.index}"}}', float(r.ready and r.alive)) for r in rs])
-    family("jdet_router_requests_total", "counter", "requests sent to the replica",
-           [(f'{{replica="{r.index}"}}', float(r.routed)) for r in rs])
-    family("jdet_router_replica_failures_total", "counter", "requests the replica was lost in",
-           [(f'{{replica="{r.index}"}}', float(r.failed)) for r in rs])
-    family("jdet_router_replica_restarts_total", "counter", "restarts of the replica",
-           [(f'{{replica="{r.index}"}}', float(r.restarts)) for r in rs])
-    family("jdet_router_in_flight", "gauge", "requests in flight at the replica",
-           [(f'{{replica="{r.index}"}}', float(r.in_flight)) for r in rs])
-    family("jdet_router_retries_total", "counter", "requests retried on another replica",
-           [("", float(stats.retries))])
-    family("jdet_router_unroutable_total", "counter", "requests no replica could take (503)",
-           [("", float(stats.unroutable))])  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
-
-
-def label_series(text: str, index: int) -> str:
-    """A replica's Prometheus text with `replica="index"` added to every sample."""
-    out = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if line.startswith("#") or m is None:
-            out.append(line)
-            continue
-        name, labels, rest = m.groups()
-        inner = labels[1:-1] if labels else ""
-        joined = f'replica="{index}"' + ("," + inner if inner else "")
-        out.append(f"{name}{{{joined}}}{rest}")
-    return "\n".join(out) + "\n"
-
-
-def merge_families(parts: list[str]) -> str:
-    """Concatenate exposition texts, each HELP/TYPE line once and a family's samples together
-    (Prometheus refuses a family split in two)."""
-    order: list[str] = []
-    meta: dict[str, list[str]] = {}
-    samples: dict[str, list[str]] = {}
-    current = ""
-    for text in parts:
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                current = line.split()[2]
-                if current not in meta:
-                    order.append(current)
-                    meta[current], samples[current] = [], []
-                if line not in meta[current]:
-                    meta[current].append(line)
-            elif not line.startswith("#"):
-                if current not in samples:
-                    order.append(current)
-                    meta[current], samples[current] = [], []
-                samples[current].append(line)
-    return "".join("\n".join(meta[f] + samples[f]) + "\n" for f in order)
 
 
 # ------------------------------------------------------------------------------ entry points

@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.http.router import label_series, merge_families, ranking, route_key
+from serving.http.router import ranking, route_key
+from serving.http.router_metrics import label_series, merge_families
 
 ROOT = Path(__file__).resolve().parents[3]
 NAME = "tiny"

@@ -17,8 +17,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.http import router
-from serving.http.router import ReplicaSet, build_router
+from serving.http import replicas, router
+from serving.http.replicas import ReplicaSet
+from serving.http.router import build_router
 
 
 def free_port() -> int:
@@ -85,8 +86,8 @@ class Served:
 
 @pytest.fixture
 def fast_health(monkeypatch):
-    monkeypatch.setattr(router, "HEALTH_INTERVAL", 0.05)
-    monkeypatch.setattr(router, "HEALTH_MISSES", 10**6)  # a replica once up stays up here
+    monkeypatch.setattr(replicas, "HEALTH_INTERVAL", 0.05)
+    monkeypatch.setattr(replicas, "HEALTH_MISSES", 10**6)  # a replica once up stays up here
 
 
 def wait_health(base: str, want: str) -> dict:
