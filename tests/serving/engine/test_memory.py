@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.engine import engine as engine_mod
 from serving.engine import memory
 from serving.engine.engine import Engine
 
@@ -26,7 +25,6 @@ def limit(monkeypatch, serving_model):
     value = [0, 0]
     fake = lambda: tuple(value)  # noqa: E731
     monkeypatch.setattr(memory, "device_limit", fake)
-    monkeypatch.setattr(engine_mod, "device_limit", fake)
     monkeypatch.setattr(memory, "HEADROOM_BYTES", 1 << 20)
     probe = Engine(serving_model, num_pages=48, **SETTINGS).runner
     peak = memory.step_peak(probe, compile_cache.exec_dir())  # what the engines will read
