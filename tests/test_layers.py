@@ -46,9 +46,9 @@ def _illegal(graph: grimp.ImportGraph) -> set:
     return graph.find_illegal_dependencies_for_layers(layers=layers)
 
 
-def _serving_illegal(graph: grimp.ImportGraph) -> set:
-    """Imports against serving/'s own layers (contract "serving-layers")."""
-    (contract,) = [c for c in _contracts() if c["id"] == "serving-layers"]
+def _serving_illegal(graph: grimp.ImportGraph, contract_id: str = "serving-layers") -> set:
+    """Imports against the layers inside a package of serving/ (contract `contract_id`)."""
+    (contract,) = [c for c in _contracts() if c["id"] == contract_id]
     layers = [
         grimp.Layer(*(m.strip() for m in layer.split("|")), independent=True)
         for layer in contract["layers"]
@@ -105,3 +105,15 @@ def test_serving_subpackages_import_only_downwards():
         importer="serving.speculative.speculator", imported="serving.constrained.structured"
     )
     assert _serving_illegal(across)
+
+
+def test_the_engines_collaborators_know_neither_it_nor_each_other():
+    """Contract "engine-layers": the engine is one unit, its collaborators given what they need."""
+    assert not _serving_illegal(_graph(), "engine-layers")
+    # negative controls: a collaborator reaching back into the engine; the runner into scheduling
+    back = _graph()
+    back.add_import(importer="serving.engine.request_table", imported="serving.engine.engine")
+    assert _serving_illegal(back, "engine-layers")
+    across = _graph()
+    across.add_import(importer="serving.engine.model_runner", imported="serving.engine.scheduler")
+    assert _serving_illegal(across, "engine-layers")
