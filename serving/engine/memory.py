@@ -122,6 +122,7 @@ def _peak_path(runner: Any, kv: Any, batch: Any, sampling: Any, exec_dir: Path |
         return None
     static = {"cfg": repr(runner.cfg), "invariance": runner.invariance, "tp": runner.tp,
               "what": "step peak"}  # fmt: skip
+    # a stable key name, not a module path: another name would orphan every cached peak
     parts = key_parts("serving.memory.step_peak", static, jax.devices()[: runner.tp],
                       (runner.params, kv, batch, sampling))  # fmt: skip
     return Path(exec_dir) / (entry_key(parts) + ".peak.json")
