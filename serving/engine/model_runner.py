@@ -1,6 +1,8 @@
 """Scheduled sequences -> one padded `StepBatch` + `SamplingInputs` -> the jitted step.
 
-It runs only the shapes of its `ShapeSet` (serving/engine/shapes.py: why a bounded set, what padding
+The runner holds the device side: the weights, the KV pool and the jitted step and score
+functions. A step's inputs are built on the host by step_inputs.py, one function per kind. It
+runs only the shapes of its `ShapeSet` (serving/engine/shapes.py: why a bounded set, what padding
 costs, why it never changes a real row's bits), all compiled by `warmup()` before it serves.
 
 Why `dispatch` and `fetch` are separate: JAX dispatch is asynchronous, so the engine dispatches
@@ -47,7 +49,8 @@ def cached_step_fn(cfg: Any, invariance: str, kind: str = "step") -> Callable:
 
 
 class ModelRunner:
-    """Holds the KV cache and the jitted step; builds batches. Knows nothing about scheduling."""
+    """Holds the weights, the KV cache and the jitted step; its `prepare*` methods build a step's
+    inputs (step_inputs.py). Knows nothing about scheduling."""
 
     def __init__(
         self,

@@ -73,7 +73,7 @@ def sample_inputs(runner: Any, plan: list[tuple[Sequence, int]]) -> tuple[Any, A
 
 
 def decode_inputs(runner: Any, plan: list[tuple[Sequence, int]], Tp: int, Sp: int, Pp: int) -> Any:
-    """`prepare` of a step that feeds each sequence one token and samples its row (the
+    """`sample_inputs` of a step that feeds each sequence one token and samples its row (the
     synchronous engine's every decode step): `decode_batch`'s layout, which is
     `build_batch`'s (tests/jdet/test_batch.py), and the plan's kept sampling rows; None
     (the general path) when a row needs LogitsInputs."""
