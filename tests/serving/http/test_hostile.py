@@ -372,6 +372,25 @@ def test_a_valid_request_still_works_after_the_table(hostile_server):
     assert r.status_code == 200, r.text  # documented no-ops and jdet's own defaults pass
 
 
+def test_a_request_is_checked_once_by_the_engines_admission(hostile_server, monkeypatch):
+    """The server checks a request's values through the engine's admission, once (prompt, then
+    options), and the engine takes it as checked: no second check in `add_request`. The
+    control: a bad value is still refused by that one check (a 400 naming the field)."""
+    base, eng = hostile_server
+    calls: list[str] = []
+    for name in ("check_prompt", "check_options"):
+        real = getattr(eng.admission, name)
+        monkeypatch.setattr(eng.admission, name,
+                            lambda *a, _n=name, _f=real, **k: (calls.append(_n), _f(*a, **k))[1])
+    r = httpx.post(base + C, json=OK, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert calls == ["check_prompt", "check_options"]
+    calls.clear()
+    r = httpx.post(base + C, json=with_(OK, guided_regex="a("), headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"], r.text
+    assert calls == ["check_prompt", "check_options"]
+
+
 def test_api_key_comes_from_the_environment_and_metrics_can_be_opened(serving_model, monkeypatch):
     import uvicorn
     from fastapi.testclient import TestClient
