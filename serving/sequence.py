@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from serving.sampling_options import SamplingOptions
 
@@ -22,6 +23,16 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def eos_token_ids(model: Any) -> tuple[int, ...]:
+    """The tokens that end a sequence (unless it ignores EOS): the model config's EOS ids, else
+    its tokenizer's EOS token."""
+    eos = tuple(int(t) for t in getattr(model.cfg, "eos_token_ids", ()) or ())
+    tok = getattr(model, "tokenizer", None)
+    if not eos and getattr(tok, "eos_token_id", None) is not None:
+        eos = (int(tok.eos_token_id),)
+    return eos
 
 
 def derive_seed(seed: int | None, index: int) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 from jdet.sampling import MAX_LOGIT_BIAS, LogitsInputs
 from serving.constrained.structured import Guide, Structured
 from serving.sampling_options import InvalidRequest, SamplingOptions
-from serving.sequence import Sequence
+from serving.sequence import Sequence, eos_token_ids
 
 
 def _clear(words: np.ndarray, ids: Any) -> None:
@@ -58,11 +58,8 @@ class LogitsRows:
         self.V = vocab_size
         self.W = -(-vocab_size // 32)
         self.tokenizer = getattr(model, "tokenizer", None)
-        eos = tuple(int(t) for t in getattr(model.cfg, "eos_token_ids", ()) or ())
-        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos = (int(self.tokenizer.eos_token_id),)
-        self.eos = eos
-        self.structured = Structured(self.tokenizer, vocab_size, eos)
+        self.eos = eos_token_ids(model)
+        self.structured = Structured(self.tokenizer, vocab_size, self.eos)
         self.guides: weakref.WeakKeyDictionary[Sequence, Guide] = weakref.WeakKeyDictionary()
         self.sharding = sharding  # where the step's inputs live (TP: replicated on the mesh)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}

@@ -51,7 +51,7 @@ from serving.engine.request_table import RequestTable, finish
 from serving.engine.scheduler import Scheduler
 from serving.engine.scoring import record_scores, score_request, split_scores
 from serving.sampling_options import SamplingOptions
-from serving.sequence import Request, Sequence, Status
+from serving.sequence import Request, Sequence, Status, eos_token_ids
 from serving.speculative.speculator import Speculator, num_rows
 
 log = logging.getLogger("jdet.engine")
@@ -119,10 +119,7 @@ class Engine:
         self.metrics.kv_pages_total.set(num_pages)
         if self.speculator is not None:  # acceptance in /metrics
             self.metrics.registry.register(SpecCollector(self.speculator))
-        self.eos_token_ids = set(self.cfg.eos_token_ids)
-        if not self.eos_token_ids and self.tokenizer is not None:
-            if getattr(self.tokenizer, "eos_token_id", None) is not None:
-                self.eos_token_ids = {int(self.tokenizer.eos_token_id)}
+        self.eos_token_ids = set(eos_token_ids(model))
         self.table = RequestTable(self.scheduler, self.metrics, self.tokenizer)
         self.requests: dict[str, Request] = self.table.by_id  # the live requests, by id
         self.admission = Admission(self.cfg.vocab_size, self.max_model_len, self.tokenizer,
