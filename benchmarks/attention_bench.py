@@ -7,9 +7,9 @@ contiguously. Prefill (causal, one sequence): TFLOP/s and ratio to `jax.nn.dot_p
 with implementation='cudnn' (falling back to XLA where cuDNN is unavailable).
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_bench.py [out_dir]
-       [--sweep | --knobs base,pallas_kernels.paged_attention_pallas.SPLIT_STAGES=2,...]
+       [--sweep | --knobs base,split_stages=2,kv_gather_2d=0+pages_ahead=0,...]
 `--knobs`: the decode attention alone in a layer loop at the 8B and 0.6B shapes, µs per layer,
-per module-knob variant (`knob_rows`).
+per `AttentionConfig` setting (`knob_rows`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.timing import median_seconds
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import AttentionConfig, paged_attention
 
 DECODE_CASES = [(1, 32, 8, 32768), (16, 32, 1, 4096), (64, 32, 8, 4096), (256, 32, 8, 1024)]
 PREFILL_TOKENS = [2048, 8192]
@@ -218,7 +218,8 @@ def sweep(out_dir: str) -> list:
 LAYER_CASES = [("llama3-8b", 32, 32, 8), ("qwen3-0.6b", 28, 16, 8)]
 
 
-def layer_loop_us(layers: int, h: int, hkv: int, ctx: int = 1024, pmax: int = 128) -> float:
+def layer_loop_us(layers: int, h: int, hkv: int, ctx: int = 1024, pmax: int = 128,
+                  config: AttentionConfig | None = None) -> float:  # fmt: skip
     """Microseconds per layer of the attention as the model calls it inside its layer loop
     (stacked cache read at the loop's layer, `meta` once per step, 64 output rows written by the
     merge itself), batch 1: a fori_loop over the layers whose next query is the last output's
@@ -247,7 +248,8 @@ def layer_loop_us(layers: int, h: int, hkv: int, ctx: int = 1024, pmax: int = 12
         def body(i, q):
             out = paged_attention(q, kc, vc, pt, lens, qs, pos, scale=E**-0.5,
                                   partition_size=ps, layer=i, meta=meta, out_rows=64,
-                                  structure="split", direct_out=True)  # fmt: skip
+                                  structure="split", direct_out=True,
+                                  config=config or AttentionConfig())  # fmt: skip
             return out[:1]
 
         return lax.fori_loop(0, layers, body, q)
@@ -256,22 +258,19 @@ def layer_loop_us(layers: int, h: int, hkv: int, ctx: int = 1024, pmax: int = 12
 
 
 def knob_rows(out_dir: str, variants: list[str]) -> list:
-    """`layer_loop_us` per variant: module knobs in decode_bench's --variants syntax
-    ('pallas_kernels.paged_attention_kernels.KV_GATHER_2D=1+...'; 'base' = the defaults),
-    each compiled afresh; the output bits of each variant are compared with the first's."""
+    """`layer_loop_us` per variant: `AttentionConfig` fields ('kv_gather_2d=0+split_stages=2';
+    'base' = the defaults); the output bits of each variant are compared with the first's."""
     import numpy as np
-
-    from benchmarks.decode_bench import module_knobs, parse_variant
 
     rows, first = [], {}
     for v in variants:
-        knobs = {} if v == "base" else parse_variant(v)
+        fields = {} if v == "base" else dict(kv.split("=") for kv in v.split("+"))
         for name, layers, h, hkv in LAYER_CASES:
             row = {"variant": v, "shape": name}
             try:
-                with module_knobs(knobs):
-                    row["us_per_layer"] = layer_loop_us(layers, h, hkv)
-                    bits = np.asarray(_one_layer_bits(h, hkv)).view(np.uint16)
+                config = AttentionConfig(**{k: int(x) for k, x in fields.items()})
+                row["us_per_layer"] = layer_loop_us(layers, h, hkv, config=config)
+                bits = np.asarray(_one_layer_bits(h, hkv, config=config)).view(np.uint16)
                 if name not in first:
                     first[name] = bits
                 row["same_bits_as_first"] = bool(np.array_equal(bits, first[name]))
@@ -282,14 +281,15 @@ def knob_rows(out_dir: str, variants: list[str]) -> list:
     return _saved(out_dir, "attention_knobs.json", rows)
 
 
-def _one_layer_bits(h: int, hkv: int, ctx: int = 1000) -> jax.Array:
+def _one_layer_bits(h: int, hkv: int, ctx: int = 1000,
+                    config: AttentionConfig | None = None) -> jax.Array:  # fmt: skip
     """One decode attention at a context that ends inside a partition (so a static block loop
     runs blocks past the end), for the bit comparison of `knob_rows`."""
     q, kc, vc, pt = _paged_case(jax.random.PRNGKey(4), 1, h, hkv, 1024)
     lens, qs = jnp.array([ctx], jnp.int32), jnp.array([0, 1], jnp.int32)
     pos = jnp.array([ctx - 1], jnp.int32)
     return paged_attention(q, kc, vc, pt, lens, qs, pos, scale=E**-0.5, partition_size=256,
-                           structure="split")  # fmt: skip
+                           structure="split", config=config or AttentionConfig())  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -297,7 +297,7 @@ if __name__ == "__main__":
     out = args[0] if args else os.environ.get("OUT", "out")
     if "--sweep" in sys.argv:
         sweep(out)
-    elif "--knobs" in sys.argv:  # --knobs base,MOD.KNOB=1+MOD.KNOB2=3,...
+    elif "--knobs" in sys.argv:  # --knobs base,FIELD=1+FIELD2=3,...
         knob_rows(out, sys.argv[sys.argv.index("--knobs") + 1].split(","))
     else:
         run(out)

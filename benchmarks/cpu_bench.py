@@ -87,12 +87,11 @@ import gc
 import jdet
 from jdet import exec_cache
 from jdet.settings import EngineConfig
-from serving.engine import sampler_variants
 mark(marks, "imports")
 exec_cache.load_on_call(True)
-sampler_variants.VARIANTS = sampler_variants.ON_DEMAND
 gc.disable()
-llm = jdet.LLM(None, EngineConfig(compile_cache=False), warmup=False)
+llm = jdet.LLM(None, EngineConfig(compile_cache=False, sampler_variants="on-demand"),
+               warmup=False)
 mark(marks, "llm")
 sp = jdet.SamplingParams(temperature=0.0, max_tokens=24, seed=0)
 it = iter(llm.stream(sys.argv[1], sp))

@@ -224,47 +224,26 @@ def row_for(model: Any, mode: str, batch: int, ctx: int, dev_s: float, ceil: dic
 
 
 def parse_variant(v: str) -> dict:
-    """'attn_partition=128' -> {'attn_partition': 128} ('+' joins several fields). A dotted key
-    ('pallas_kernels.paged_attention_pallas.SPLIT_BELOW_PROGRAMS=0') names a module-level
-    kernel knob (`module_knobs`)."""
-    out = {}
+    """'attn_partition=128' -> {'attn_partition': 128}, the Ops fields of a variant ('+' joins
+    several). A dotted key sets a field of an Ops field that is a kernel config:
+    'attn_config.split_stages=2' -> {'attn_config': AttentionConfig(split_stages=2)}."""
+    import dataclasses
+
+    from jdet.ops import Ops
+
+    out: dict = {}
     for kv in v.split("+"):
         k, val = kv.split("=")
-        out[k] = int(val)
+        if "." not in k:
+            out[k] = int(val)
+            continue
+        field, sub = k.split(".", 1)
+        base = out.get(field, getattr(Ops(), field, None))
+        names = {f.name for f in dataclasses.fields(base)} if dataclasses.is_dataclass(base) else ()
+        if sub not in names:
+            raise ValueError(f"variant {k!r}: Ops.{field} has no field {sub!r}")
+        out[field] = dataclasses.replace(base, **{sub: type(getattr(base, sub))(int(val))})
     return out
-
-
-class module_knobs:  # noqa: N801 - a context manager used like a function
-    """Set the dotted-key knobs of a variant (module attributes read when a kernel is traced)
-    for the variant's compile, and restore them after."""
-
-    def __init__(self, knobs: dict):
-        import importlib
-
-        self.items = []
-        for key, val in knobs.items():
-            mod, attr = key.rsplit(".", 1)
-            m = importlib.import_module(mod)
-            if not hasattr(m, attr):
-                raise ValueError(f"variant knob {key!r}: {mod} has no attribute {attr!r}")
-            self.items.append((m, attr, type(getattr(m, attr))(val)))
-
-    def __enter__(self):
-        import jax
-
-        self.saved = [(m, a, getattr(m, a)) for m, a, _ in self.items]
-        for m, a, v in self.items:
-            setattr(m, a, v)
-        if self.items:  # kernels jitted inside the step would otherwise reuse their old trace
-            jax.clear_caches()
-
-    def __exit__(self, *exc):
-        import jax
-
-        for m, a, v in self.saved:
-            setattr(m, a, v)
-        if self.saved:
-            jax.clear_caches()
 
 
 def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: dict,
@@ -331,13 +310,9 @@ def decode_rows(model: Any, shape: str, a: argparse.Namespace, ceil: dict, res: 
                 ctx = min(a.ctx)
                 try:
                     fields = parse_variant(v.split(":")[-1])
-                    knobs = {k: fields.pop(k) for k in list(fields) if "." in k}
                     t0 = time.perf_counter()
-                    with module_knobs(knobs):
-                        # a knob is not part of make_tp_step's cache key: compile afresh
-                        make = make_tp_step.__wrapped__ if knobs else make_tp_step
-                        fn = make(model.cfg, mode, mesh, **fields)
-                        dev = device_step(runner, 1, ctx, a.steps, step_fn=fn)
+                    fn = make_tp_step(model.cfg, mode, mesh, **fields)
+                    dev = device_step(runner, 1, ctx, a.steps, step_fn=fn)
                     row = row_for(model, mode, 1, ctx, dev, ceil)
                     row["compile_and_time_s"] = time.perf_counter() - t0
                 except Exception:  # noqa: BLE001
@@ -483,7 +458,8 @@ def parser() -> argparse.ArgumentParser:
                    "(the engine pads T to its token bucket, min_tokens_bucket)")  # fmt: skip
     p.add_argument("--variants", default="", help="'tp' Ops settings to compare (a 'none:' prefix: "
                    "that mode's), comma-separated "
-                   "('attn_partition=128,attn_partition=512')")  # fmt: skip
+                   "('attn_partition=128,attn_partition=512'; a kernel config's field: "
+                   "'attn_config.split_stages=2')")  # fmt: skip
     p.add_argument("--kernels", default="", help="shapes whose single-layer kernels to time")
     p.add_argument("--torch", default="", help="shapes for the PyTorch bar (ctx 1k)")
     p.add_argument("--torch-timeout", type=int, default=300)

@@ -100,21 +100,20 @@ def device_rows(runner: Any, batch: int, ctx: int, reps: int) -> dict:
 
 def engine_rows(eng: Any, ctx: int, steps: int, reps: int) -> dict:
     from benchmarks.decode_bench import engine_step
-    from serving.engine import sampler_variants
     from serving.engine.sampler_variants import FULL
 
-    default = sampler_variants.VARIANTS
+    default = eng.runner.variants
     got: dict = {}
     n = 0
     for r in range(reps):
         for async_ in (False, True):
             eng.async_scheduling = async_
             for name, variants in (("full", (FULL,)), ("lean", default)):
-                sampler_variants.VARIANTS = variants  # the engine held to the full sampler
+                eng.runner.variants = variants  # this engine held to the full sampler
                 try:
                     s = engine_step(eng, ctx, steps, rid=f"r{n}")["engine_step_s"]
                 finally:
-                    sampler_variants.VARIANTS = default
+                    eng.runner.variants = default
                 n += 1
                 if r:  # the first round compiles
                     got.setdefault(f"{name}_{'async' if async_ else 'sync'}", []).append(s)

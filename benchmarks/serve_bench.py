@@ -309,11 +309,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--poisson-output-len", type=int, nargs=2, default=(64, 128))
     p.add_argument("--poisson-max-model-len", type=int, default=2048)
     p.add_argument("--rates", type=float, nargs="+", default=(4.0, 16.0, 64.0))
-    p.add_argument(
-        "--no-small-m-tiles",
-        action="store_true",
-        help="ablation: 128-row matmul CTAs at every M (pallas_kernels.matmul_mosaic)",
-    )
     p.add_argument("--smoke", action="store_true", help="tiny model, a few requests (CPU)")
     return p
 
@@ -340,10 +335,6 @@ def run(out_dir: str = "out", argv: list[str] | None = None, **overrides: Any) -
     if isinstance(a.modes, str):
         a.modes = [m for m in a.modes.split(",") if m]
     parts = a.parts.split(",") if isinstance(a.parts, str) else list(a.parts)
-    if a.no_small_m_tiles:
-        from pallas_kernels import matmul_mosaic
-
-        matmul_mosaic.SMALL_M_TILES = False
     dev = jax.devices()[0]
     res: dict[str, Any] = {
         "device": dev.device_kind,

@@ -42,8 +42,8 @@ def bio_configs(n: int) -> dict:
         "decode_s8": dataclasses.replace(mm.mosaic_config(n, out, m=1), max_concurrent_steps=8),
         "cta64x64_s12": mm.MosaicConfig(tile_m=64, tile_n=32, tile_k=mm.BLOCK_K,
                                         max_concurrent_steps=12, epi_tile_n=32),
-        # one consumer warpgroup (DECODE_CTA_N = 64): twice the CTAs of decode64x128; and 128-wide
-        # K steps (DECODE_TILE_K = 128): half the pipeline steps per CTA
+        # one consumer warpgroup (DecodeTiles.cta_n = 64): twice the CTAs of decode64x128; 128-wide
+        # K steps (DecodeTiles.tile_k = 128): half the pipeline steps per CTA
         "d64x64": _decode(64, 64),
         "d64x64_k128": _decode(64, 128),
         "d64x128_k128": _decode(128, 128),

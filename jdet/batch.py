@@ -127,8 +127,8 @@ def decode_batch(
     test_batch.py checks the two equal bitwise), built with a fixed handful of numpy calls
     (the int32 fields are slices of one buffer) plus one page-table row copy and a little
     integer arithmetic per sequence, where the general builder makes ~10 numpy calls per
-    sequence. Why: on the critical path once the device step is short; measured on this CPU
-    (load ~10): 31-43 -> 20-27 us at batch 1, 124-173 -> 29-39 us at batch 8."""
+    sequence. Why: on the critical path once the device step is short (several times faster at
+    batch 8: BENCHMARKS.md)."""
     S = len(positions)
     if len(tokens) != S or len(pages) != S:
         raise ValueError(f"decode_batch got {len(tokens)} tokens, {S} positions and "

@@ -18,9 +18,9 @@ import jax
 
 import jdet
 from jdet import exec_cache, spec_config
+from jdet.plan import backend
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
-from serving.engine import sampler_variants
 from serving.engine.shapes import default_min_tokens_bucket
 
 
@@ -87,8 +87,9 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded
     # model; a 22-token prompt, load ~6: 10.9 -> 7.2 CPU s). Chunked prefill gives the same bits.
     engine = _one_shape_budget(engine, spec)
+    if engine.sampler_variants == "auto":  # each variant compiled at its first step
+        engine = dataclasses.replace(engine, sampler_variants="on-demand")
     exec_cache.load_on_call(True)
-    variants, sampler_variants.VARIANTS = sampler_variants.VARIANTS, sampler_variants.ON_DEMAND
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
@@ -108,7 +109,6 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
         print()
     finally:
         exec_cache.load_on_call(False)
-        sampler_variants.VARIANTS = variants
         if gc_was_on:
             gc.enable()
     return 0
@@ -135,7 +135,7 @@ def _one_shape_budget(engine: EngineConfig, spec: object) -> EngineConfig:
     default = EngineConfig().max_num_batched_tokens
     if spec is not None or engine.max_num_batched_tokens != default:
         return engine
-    if jax.default_backend() != "cpu":
+    if not backend().cpu:
         return engine
     # min_tokens_bucket pinned too: no 1-token decode bucket (serving/engine/shapes.py
     # `single_token_bucket`), whose compile would cost the one-shot run more than it saves

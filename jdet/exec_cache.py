@@ -57,6 +57,7 @@ import jax
 
 from jdet import compile_cache
 from jdet.exec_key import FORMAT, args_signature, entry_key, key_json, key_parts
+from jdet.plan import backend
 
 log = logging.getLogger("jdet.exec_cache")
 
@@ -186,7 +187,7 @@ class CachedFn:
         if exe is None:
             hits = compile_cache.stats().cache_hits
             exe = self.fn.lower(*args).compile()
-            if compile_cache.stats().cache_hits > hits and jax.default_backend() == "cpu":
+            if compile_cache.stats().cache_hits > hits and backend().cpu:
                 # An XLA:CPU executable that JAX's persistent compilation cache loaded (rather
                 # than compiled) serializes, and even deserializes, but fails when run
                 # ("NOT_FOUND: Function ... not found", JAX 0.10.2): write no entry a restart

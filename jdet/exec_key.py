@@ -23,7 +23,8 @@ import jax
 import jaxlib
 
 from jdet import version
-from pallas_kernels import _platform, kernel_backend
+from jdet.plan import backend
+from pallas_kernels import kernel_backend
 
 FORMAT = 1  # bump when the entry layout changes
 PACKAGES = ("jdet", "pallas_kernels", "sharding", "serving")
@@ -157,7 +158,7 @@ def runtime_code_digest() -> str:
     it. Every module is imported first, so the digest does not depend on what ran before (but
     `_GPU_ONLY`'s off a GPU)."""
     h = hashlib.sha256()
-    skip = () if _platform.platform() == "gpu" else _GPU_ONLY
+    skip = () if backend().gpu else _GPU_ONLY
     for name in _code_modules():
         if name in skip:
             h.update(f"\0module {name} not traced off a GPU\0".encode())

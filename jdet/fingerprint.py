@@ -62,7 +62,7 @@ def fingerprint(model: Any, plan: Plan, *, page_size: int, speculative: Any = No
         "backend": dev.platform,
         "device_kind": dev.device_kind,
     }
-    if dev.platform == "cpu":
+    if plan.backend.cpu:
         parts["host_cpu"] = host_cpu()
     if speculative is not None and speculative.changes_bits:
         dm = speculative.draft_model

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jdet.config import ModelConfig
+from jdet.plan import backend
 from pallas_kernels._platform import as_float, kv_compute_dtype  # noqa: F401 (the readers' side)
 
 
@@ -38,7 +39,7 @@ def init_kv_cache(
 def storage_dtype(dtype: Any) -> Any:
     """How a cache of float `dtype` is held: uint16 for bf16/f16 on a CPU (module docstring)."""
     dtype = jnp.dtype(dtype)
-    if jax.default_backend() == "cpu" and dtype in (jnp.bfloat16, jnp.float16):
+    if backend().cpu and dtype in (jnp.bfloat16, jnp.float16):
         return jnp.dtype(jnp.uint16)
     return dtype
 
@@ -66,7 +67,7 @@ def write_kv(cache: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Arra
         return cache.at[layer, :, page, off, :].set(new, mode="drop")
     dtype = cache.dtype
     new = new.astype(dtype)
-    as_bits = jax.default_backend() == "cpu" and dtype in (jnp.bfloat16, jnp.float16)
+    as_bits = backend().cpu and dtype in (jnp.bfloat16, jnp.float16)
     if as_bits:
         cache = jax.lax.bitcast_convert_type(cache, jnp.uint16)
         new = jax.lax.bitcast_convert_type(new, jnp.uint16)

@@ -30,7 +30,7 @@ from jdet.config import ModelConfig
 from jdet.kv_cache import write_kv
 from jdet.moe import ffn_forward, pop_ffn
 from jdet.ops import Ops, swiglu_act
-from pallas_kernels import _platform
+from jdet.plan import backend
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -169,25 +169,21 @@ def lm_head_weight(params: dict, cfg: ModelConfig, ops: Ops) -> jax.Array:
     return params["embed"].T if cfg.tie_word_embeddings and not ops.untied else params["lm_head"]
 
 
-# The layer loop of the invariant modes: a `lax.while_loop` whose counter is the layer (1), or a
-# `lax.scan` over the stacked weights and arange(L) (0). The same arithmetic either way (a module
-# knob so that benchmarks/decode_bench.py --variants can compare them in one process). "none"
-# keeps the scan: jdet/train.py differentiates its forward, and a while loop has no VJP.
-LAYER_WHILE_LOOP = 1
-# On a GPU, every mode runs its layers unrolled ("none" too: its fastest form there, and still
-# differentiable): L calls of one jitted layer function (traced and lowered once, inlined by XLA),
-# each reading its layer's weights at a constant offset. Why: XLA runs a loop's body from the host
-# as a CUDA graph and re-records it every iteration (`command_buffer::update`, the Mosaic matmuls
-# stream-captured again: 50-110 us of host time a layer on an H100, benchmarks/step_timeline.py),
-# so a Qwen3-0.6B step's dispatch held the host ~1.9 ms, longer than the device's 1.5 ms: the
-# engine was host-bound. Unrolled, the step is a few graphs, re-recorded only when a step's
-# buffers move, which the async engine hides behind the previous step (BENCHMARKS.md: the 0.6B
-# engine step 2.20 -> 1.69 ms on an H100; the 8B steps 1-2 % faster unrolled, alternated in one
-# process). Same kernels on the same operands: the same bits (tests/jdet/test_invariance_gpu.py).
-# 0: never, 1: always, 2: where a layer's weights are under UNROLL_BELOW_BYTES (a function of the
-# shapes only).
-LAYER_UNROLL_GPU = 1
-UNROLL_BELOW_BYTES = 128 << 20  # for LAYER_UNROLL_GPU = 2 (0.6B: 30 MiB a layer, 8B: 368-416)
+# The layer loop of the invariant modes (`Ops.layer_while_loop`): a `lax.while_loop` whose
+# counter is the layer, or a `lax.scan` over the stacked weights and arange(L). The same
+# arithmetic either way. "none" keeps the scan: jdet/train.py differentiates its forward, and a
+# while loop has no VJP.
+# On a GPU, every mode runs its layers unrolled (`Ops.unroll_layers_gpu`; "none" too: its
+# fastest form there, and still differentiable): L calls of one jitted layer function (traced and
+# lowered once, inlined by XLA), each reading its layer's weights at a constant offset. Why: XLA
+# runs a loop's body from the host as a CUDA graph and re-records it every iteration
+# (`command_buffer::update`, the Mosaic matmuls stream-captured again: tens of microseconds of
+# host time a layer, benchmarks/step_timeline.py), so a small model's step held the host longer
+# than the device: the engine was host-bound. Unrolled, the step is a few graphs, re-recorded only
+# when a step's buffers move, which the async engine hides behind the previous step
+# (BENCHMARKS.md). Same kernels on the same operands: the same bits
+# (tests/jdet/test_invariance_gpu.py).
+UNROLL_BELOW_BYTES = 128 << 20  # unroll_layers_gpu = 2 (0.6B: 30 MiB a layer, 8B: 368-416)
 
 
 def hidden_states(
@@ -232,7 +228,7 @@ def hidden_states(
         )
         return (x, h, kv), None
 
-    if _unroll(layers, L) and not in_place:
+    if _unroll(layers, L, ops) and not in_place:
 
         @jax.jit
         def one_layer(layer: jax.Array, x: jax.Array, h: Any, kv: dict) -> tuple:
@@ -245,16 +241,16 @@ def hidden_states(
         return kv, x[:T]
 
     # Looped (off a GPU, or layers too large to gain from unrolling). Not lax.scan(unroll=2 or
-    # 4): with it the 8B step took 16.8 ms instead of 7.5 on an H100 (the weight slices are then
-    # copied out of the stack, not read in place).
-    if not (LAYER_WHILE_LOOP and ops.invariant):  # "none" stays differentiable (jdet/train.py)
+    # 4): with it the weight slices are copied out of the stack, not read in place (a step over
+    # twice as slow on a GPU).
+    if not (ops.layer_while_loop and ops.invariant):  # "none" stays differentiable (train.py)
         xs = (layers, jnp.arange(L, dtype=jnp.int32))
         (x, _, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
         return kv, x[:T]
 
     # The loop's own counter is the layer index: the same layer bodies as the scan over
-    # (weights, arange(L)), without the per-layer slice of arange(L) (an async copy, ~1.4 us a
-    # layer on an H100) that the scan's xs needed.
+    # (weights, arange(L)), without the per-layer slice of arange(L) (an async copy a layer on a
+    # GPU) that the scan's xs needed.
     def step(carry: tuple) -> tuple:
         layer, x, h, kv = carry
         lp = _layer_weights(layers, layer)
@@ -270,12 +266,12 @@ def _layer_weights(layers: dict, layer: jax.Array) -> dict:
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), layers)
 
 
-def _unroll(layers: dict, num_layers: int) -> bool:
-    """Whether the layer loop runs unrolled (`LAYER_UNROLL_GPU`): on a GPU only, any mode."""
-    if not LAYER_UNROLL_GPU or _platform.platform() != "gpu":
+def _unroll(layers: dict, num_layers: int, ops: Ops) -> bool:
+    """Whether the layer loop runs unrolled (`Ops.unroll_layers_gpu`): on a GPU only, any mode."""
+    if not ops.unroll_layers_gpu or not backend().gpu:
         return False
     per_layer = sum(w.size * w.dtype.itemsize for w in jax.tree_util.tree_leaves(layers))
-    return LAYER_UNROLL_GPU == 1 or per_layer // num_layers < UNROLL_BELOW_BYTES
+    return ops.unroll_layers_gpu == 1 or per_layer // num_layers < UNROLL_BELOW_BYTES
 
 
 def _q_heads(layers: dict, kv: dict, cfg: ModelConfig, ops: Ops) -> int:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import (
-    _platform,
+    backend,
     log_softmax,
     matmul,
     paged_attention,
@@ -36,17 +36,14 @@ from pallas_kernels import (
     xla_fixed,
 )
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.matmul import resolve_backend
-from pallas_kernels.paged_attention import _pad_rows, paged_attention_xla
+from pallas_kernels.decode_tiles import DecodeTiles
+from pallas_kernels.paged_attention import AttentionConfig, _pad_rows, paged_attention_xla
 from pallas_kernels.paged_attention_pallas import attention_meta
 from pallas_kernels.rms_norm import add_rms_norm, head_rms_norm
 from pallas_kernels.rope_kv import QueryTiles, rope_kv
 from pallas_kernels.tree_matmul import tree_matmul_parts
 
 MODES = ("tp", "batch", "none")
-# Qwen3's q/k head norms read from the fused projection's rows in one launch (`Ops.head_norms`,
-# the same bits); 0 slices and normalises them as separate ops (benchmarks compare the two).
-HEAD_NORMS_IN_PLACE = 1
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array, out_dtype: Any) -> jax.Array:
@@ -87,15 +84,13 @@ def none_partition(t: int, page_table_shape: tuple, cache_shape: tuple, target: 
 def _xla_matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     """The "none" mode's projection: XLA's fastest plan (f32 accumulation either way).
 
-    On a GPU, measured by benchmarks/scan_dot_probe.py on an H100 (a scan of 32 layers of
-    [M, 4096] @ [4096, 14336] weights sliced from the stack, as in the model): with XLA's
-    Triton GEMMs each weight slice is first copied out of the stack (0.94 TB/s); with cuBLAS
-    (jdet/step.py turns Triton GEMMs off for "none") the slice is read in place (2.5 TB/s) —
-    provided the dot outputs bf16 directly (cuBLAS rounds its f32 accumulator once, the same
-    rounding as f32-then-cast): an f32 output at M = 1 made XLA convert the weights to f32 first
-    (0.57 TB/s). An f32 output (the LM head) pads its rows to 8, where cuBLAS takes bf16
+    On a GPU (benchmarks/scan_dot_probe.py: a scan over weights sliced from the stack, as in the
+    model) cuBLAS reads a weight slice in place (jdet/step.py turns XLA's Triton GEMMs, which
+    copy it first, off for "none") provided the dot outputs bf16 directly (cuBLAS rounds its f32
+    accumulator once, as f32-then-cast does): an f32 output at M = 1 made XLA convert the weights
+    to f32 first. An f32 output (the LM head) pads its rows to 8, where cuBLAS takes bf16
     operands with an f32 result as they are."""
-    if _platform.platform() != "gpu":
+    if not backend().gpu:
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if jnp.dtype(out_dtype) == x.dtype:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
@@ -113,9 +108,8 @@ class Ops:
     # experts' down projection computes its own subtree of that many (`grouped_row_matmul`).
     row_shards: int = 1
     # KV partition of the invariant paged attention (tokens), part of the reduction plan. 256, not
-    # 512: a batch-1 decode at 1k context then has 4 partitions x kv heads programs instead of 2x;
-    # measured on an H100 (Llama-3-8B shape, "tp"): step 9.58 -> 8.76 ms (128: 8.99 ms), while a
-    # 2048-token prefill chunk's attention goes 230 -> 290 us per layer (BENCHMARKS.md).
+    # 512: a batch-1 decode at 1k context then has twice the programs, which a decode step gains
+    # more from than a long prefill chunk's attention loses (BENCHMARKS.md).
     attn_partition: int = 256
     # Carry the residual stream padded to the matmuls' CTA rows (`row_pad`). Off under TP > 1
     # (sharding/tp.py): the row-parallel partials would then all-reduce the padding rows too.
@@ -132,24 +126,32 @@ class Ops:
     # `row_reduce` is the identity and is skipped).
     fuse_residual_norm: bool = True
     # The same fold for down_proj: its combine, the residual add and the *next* layer's attention
-    # norm in one kernel (`fold_down_norm`; same bits). Measured on an H100 in one run
-    # (decode_bench variants, batch 1, ctx 1024): Llama-3-8B step 7.43 -> 7.17 ms, Qwen3-0.6B
-    # 2.27 -> 2.25 ms.
+    # norm in one kernel (`fold_down_norm`; same bits; a faster decode step: BENCHMARKS.md).
     fuse_down_norm: bool = True
     # RoPE, the K/V cache write and the query's gather into the attention kernel's tile layout
     # as one Pallas kernel (`rope_kv`, pallas_kernels/rope_kv.py) instead of ~5 XLA fusions a
-    # layer. Only where the Pallas paged attention runs (a GPU; a CPU only under
-    # JDET_PALLAS_INTERPRET=1, interpreted): ignored on the CPU's xla_fixed path and by XLA's
-    # gather attention. Same arithmetic as apply_rope; whether Triton contracts to FMA where
-    # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`: same
-    # bits). H100, one run (decode_bench variants, Llama-3-8B, batch 1, ctx 1024): 7.25 -> 7.11
-    # ms alone, 7.02 ms with attn_direct_out.
+    # layer, where the Pallas paged attention runs (ignored on the CPU's xla_fixed path and by
+    # XLA's gather attention). Same arithmetic as apply_rope; that Triton contracts no FMA where
+    # XLA does not is checked on the GPU (tests/pallas_kernels/test_rope_kv.py, `gpu`).
     rope_kv: bool = True
     # The split attention's merge kernel writes the final [rows, H, E] output itself, padding
     # rows zeroed, instead of a gather + select fusion after it (`direct_out` of
-    # pallas_kernels/paged_attention_pallas.py; the same values in the same places). H100:
-    # 7.30 -> 7.12 ms alone (Llama-3-8B, batch 1, ctx 1024), 7.02 with rope_kv (above).
+    # pallas_kernels/paged_attention_pallas.py; the same values in the same places): one launch
+    # fewer per layer.
     attn_direct_out: bool = True
+    # How the Pallas paged attention loads and launches (`AttentionConfig`), and how the Hopper
+    # matmuls spread a decode's few rows over CTAs (`DecodeTiles`, which `row_pad` follows):
+    # kernel configs that never change a value or an order; benchmarks vary them.
+    attn_config: AttentionConfig = AttentionConfig()
+    decode_tiles: DecodeTiles = DecodeTiles()
+    # Qwen3's q/k head norms read from the fused projection's rows in one launch (`head_norms`,
+    # the same bits); False slices and normalises them as separate ops.
+    head_norms_in_place: bool = True
+    # The invariant modes' layer loop is a while loop over the layer index (False: a scan); on a
+    # GPU the layers run unrolled (0: never, 1: always, 2: layers under model.UNROLL_BELOW_BYTES).
+    # jdet/model.py says why; the same bits every way.
+    layer_while_loop: bool = True
+    unroll_layers_gpu: int = 1
 
     def __post_init__(self) -> None:
         check_mode(self.invariance)
@@ -165,13 +167,12 @@ class Ops:
         matmul pads its input (one launch each, 4 per layer) -- the padding rows are carried
         once, like the engine's bucket padding (tokens of no sequence). Matmul rows are
         independent, so this changes no bit of a real row. T elsewhere."""
-        if not (self.invariant and self.pad_rows):
-            return t
-        if resolve_backend(None) != "mosaic":
+        if not (self.invariant and self.pad_rows and backend().hopper):
             return t
         from pallas_kernels import matmul_mosaic  # imports Mosaic GPU: ~0.3 s, Hopper only
 
-        m = matmul_mosaic.SMALL_M_ROWS if matmul_mosaic.decode_rows(t) else matmul_mosaic.BLOCK_M
+        small = matmul_mosaic.decode_rows(t, self.decode_tiles)
+        m = matmul_mosaic.SMALL_M_ROWS if small else matmul_mosaic.BLOCK_M
         return -(-t // m) * m
 
     # -- reductions over the hidden dimension ---------------------------------------------------
@@ -191,7 +192,7 @@ class Ops:
         """Column-parallel / unsharded projection x[T, in] @ w[in, out]."""
         out_dtype = out_dtype or x.dtype
         if self.invariant:
-            return matmul(x, w, out_dtype=out_dtype)
+            return matmul(x, w, out_dtype=out_dtype, tiles=self.decode_tiles)
         return _xla_matmul(x, w, out_dtype)
 
     def gate_up_act(self, h: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
@@ -200,7 +201,7 @@ class Ops:
         bits, the same for every M), elsewhere the projection then XLA's SwiGLU."""
         if self.invariant:
             if swiglu.supported(w.shape[0], w.shape[1], w.dtype):
-                return swiglu.matmul_swiglu(h, w, out_dtype)
+                return swiglu.matmul_swiglu(h, w, out_dtype, self.decode_tiles)
         gate, up = jnp.split(self.matmul(h, w), 2, axis=-1)
         return swiglu_act(gate, up, out_dtype)
 
@@ -210,7 +211,7 @@ class Ops:
             assert self.row_partial is not None
             return self.row_reduce(self.row_partial(x, w)).astype(x.dtype)
         if self.invariance == "tp":
-            return tree_matmul(x, w, out_dtype=x.dtype)
+            return tree_matmul(x, w, out_dtype=x.dtype, tiles=self.decode_tiles)
         return self.matmul(x, w)
 
     # -- mixture-of-experts: the grouped matmul (pallas_kernels/grouped_matmul.py) ---------------
@@ -263,7 +264,7 @@ class Ops:
         tree matmul's combine, the add and the norm: one launch instead of two per layer, the
         same bits (the same f32 additions in the same order, the same roundings)."""
         if self.invariance == "tp" and self.fuse_residual_norm:
-            parts = tree_matmul_parts(a, w)
+            parts = tree_matmul_parts(a, w, tiles=self.decode_tiles)
             if parts is not None:
                 return add_rms_norm(x, parts, norm_w, eps, layer=layer)
         x = x + self.row_matmul(a, w)
@@ -276,7 +277,7 @@ class Ops:
         norm and add a discarded one for the last layer."""
         if not (self.fuse_down_norm and self.fuse_residual_norm and self.invariance == "tp"):
             return False
-        return resolve_backend(None) == "mosaic"
+        return backend().hopper
 
     # -- position encoding ------------------------------------------------------------------------
     def rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -284,7 +285,7 @@ class Ops:
         CPU's fixed-order path (invariant modes) `xla_fixed.rope`: the same f32 expression with
         exact partial products, whose bits no FMA contraction can change, so they do not depend
         on the shape XLA compiles the step for (a 1-token step's RoPE rounded otherwise)."""
-        if self.invariant and _platform.xla_fixed_default():
+        if self.invariant and backend().xla_fixed:
             return xla_fixed.rope(x, cos, sin)
         return apply_rope(x, cos, sin)
 
@@ -292,10 +293,10 @@ class Ops:
     def _attn_partition(self, t: int, batch: Any, kv: dict) -> int | None:
         """The Pallas kernel's KV partition, or None where XLA's gather attention runs."""
         if self.invariant:
-            if _platform.resolve(None, "paged_attention") != "pallas":
+            if backend().xla_fixed:
                 return None
             return self.attn_partition
-        if _platform.platform() == "gpu":
+        if backend().gpu:
             return none_partition(t, batch.page_table.shape, kv["k"].shape)
         return None
 
@@ -325,9 +326,9 @@ class Ops:
         (`rms_norm.head_rms_norm`: the same bits as `rms_norm` on the sliced heads), for
         `rope_kv_write`'s (q|k rows, fused rows) form; None where `rms_norm` is not the Pallas
         kernel (the model then slices and normalises as before)."""
-        if not (HEAD_NORMS_IN_PLACE and self.invariant):
+        if not (self.head_norms_in_place and self.invariant):
             return None
-        if _platform.resolve(None, "rms_norm") != "pallas":
+        if backend().xla_fixed:
             return None
         return head_rms_norm(qkv, q_w, k_w, eps, layer=layer, tokens=tokens, q_heads=q_heads,
                              kv_heads=kv_heads)  # fmt: skip
@@ -364,21 +365,11 @@ class Ops:
         ps = self._attn_partition(t or q.shape[0], batch, kv)
         if ps is not None or self.invariant:  # invariant off a GPU: the kernel's XLA version
             return paged_attention(
-                q,
-                kv["k"],
-                kv["v"],
-                batch.page_table,
-                batch.context_lens,
-                batch.query_start,
-                batch.positions,
-                scale=scale,
-                partition_size=ps or self.attn_partition,
-                layer=layer,
-                meta=meta,
-                out_rows=out_rows,
-                q_heads=q_heads,
-                direct_out=bool(self.attn_direct_out),
-            )
+                q, kv["k"], kv["v"], batch.page_table, batch.context_lens, batch.query_start,
+                batch.positions, scale=scale, partition_size=ps or self.attn_partition,
+                layer=layer, meta=meta, out_rows=out_rows, q_heads=q_heads,
+                direct_out=bool(self.attn_direct_out), config=self.attn_config,
+            )  # fmt: skip
         if q_heads is not None:
             raise ValueError("query tiles (rope_kv) need the Pallas paged attention")
         return _pad_rows(paged_attention_xla(

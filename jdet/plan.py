@@ -14,6 +14,10 @@ them outside the kernels' dispatch in jdet/ops.py.
   tp > kv heads, + q|k|v and gate|up fused where the kernel makes that exact).
 - the attention partition (`attn_partition`) and the fields `system_fingerprint` hashes
   (`Plan.kernel_plan`).
+- which kernel backend: `backend()` / `Plan.backend` (Pallas on a GPU, `xla_fixed` on a CPU,
+  interpret mode for the kernel tests: pallas_kernels/_platform.py `Backend`). Every other module
+  asks it (a property such as `backend().cpu`) rather than probing the platform itself;
+  tests/test_layers.py keeps it so.
 """
 
 from __future__ import annotations
@@ -30,11 +34,25 @@ from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
 from jdet.tp_layout import MAX_TP, check_heads, check_tp_size, expand_kv_heads
 from pallas_kernels import _platform
+from pallas_kernels._platform import Backend
 from pallas_kernels.matmul import matmul
 from pallas_kernels.tree_matmul import tree_matmul_partial, tree_plan
 from pallas_kernels.xla_fixed import block_weight
 
 VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
+
+
+def backend() -> Backend:
+    """The kernel backend this process runs (pallas_kernels/_platform.py `Backend`): the one
+    place jdet, sharding and serving learn whether they run on a CPU or a GPU, with which
+    kernels. Read when called (JDET_PALLAS_INTERPRET may change it between traces)."""
+    return _platform.backend()
+
+
+def cpu_devices(devices: Any) -> bool:
+    """Whether every device of `devices` (e.g. a mesh's `devices.flat`) is a CPU device: where
+    host-side numpy beats a compiled program for laying out arrays (sharding/tp.py)."""
+    return all(d.platform == "cpu" for d in devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +69,11 @@ class Plan:
         check_mode(self.invariance)
         check_tp_size(self.tp)
         check_heads(self.cfg, self.tp)
+
+    @property
+    def backend(self) -> Backend:
+        """The kernel backend the plan's kernels run on (module function `backend`)."""
+        return backend()
 
     @property
     def sharded(self) -> bool:
@@ -81,7 +104,7 @@ class Plan:
             "attn_partition": self.attn_partition,
             "tp": self.tp if self.invariance != "tp" else "any",
         }
-        if self.sharded and _platform.xla_fixed_default():
+        if self.sharded and self.backend.xla_fixed:
             plan["matmul_weights"] = "float32"  # `matmul_weights`: other CPU bits than bf16
         return plan
 
@@ -172,7 +195,7 @@ def _on_host(x: Any) -> bool:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return False
     devices = x.sharding.device_set
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    return len(devices) == 1 and cpu_devices(devices)
 
 
 def _placed_like(y: np.ndarray, x: Any) -> jax.Array:
@@ -223,7 +246,7 @@ def fuse_projections(params: dict, tp: int) -> dict:
 
 def fuse_default() -> bool:
     """Fuse the column-parallel projections on Hopper, where the Mosaic kernel makes it exact."""
-    return _platform.is_hopper()
+    return backend().hopper
 
 
 def prepare_params(
@@ -272,7 +295,7 @@ def matmul_weights(params: dict, *, blocked: bool = False, ffn: int | None = Non
     `pad_params`' zero padding are not held and their dots not run (an exact zero takes each
     skipped leaf's place in the tree: 25 % of the embedded model's MLP work). Same dots, same
     bits as the unblocked f32 weights, which every TP size > 1 runs. Unchanged on a GPU."""
-    blocked = blocked and _platform.xla_fixed_default()
+    blocked = blocked and backend().xla_fixed
 
     def conv(name: str, w: Any) -> Any:
         if name not in MATMUL_WEIGHTS:

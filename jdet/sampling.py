@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jdet.ops import Ops
-from pallas_kernels import _platform, xla_fixed
+from jdet.plan import backend
+from pallas_kernels import xla_fixed
 
 NUM_TOP = 20  # top log-probs computed per sampled row (static); requests may ask for fewer
 
@@ -135,9 +136,9 @@ def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
 
 def _descending(x: jax.Array) -> jax.Array:
     """Rows sorted largest first: `-jnp.sort(-x)` on a GPU; on a CPU `xla_fixed.
-    sort_descending`, the same values sorted as int32 keys, 6x faster there (12 -> 2 ms at
-    [8, 8192]: a step whose rows filter paid it every step)."""
-    if _platform.platform() == "gpu":
+    sort_descending`, the same values sorted as int32 keys, several times faster there (a step
+    whose rows filter pays it every step)."""
+    if backend().gpu:
         return -jnp.sort(-x, axis=-1)
     return xla_fixed.sort_descending(x)
 
@@ -147,7 +148,7 @@ def _cumulative(probs: jax.Array) -> jax.Array:
     `xla_fixed.prefix_sum`, blocked running sums in a fixed order, since the scan's ~40 fusions
     were a third of the sampler's compile there (pallas_kernels/xla_fixed.py says why). Either
     order depends on V alone, so a row's cumulative mass does not follow the batch."""
-    if _platform.platform() == "gpu":
+    if backend().gpu:
         return jax.lax.associative_scan(jnp.add, probs, axis=-1)
     return xla_fixed.prefix_sum(probs)
 
@@ -217,7 +218,7 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops
     for every step (one sort of the [N, V] logits: ≈ 40 µs at N = 1, V = 128k) and rows that do
     not ask keep their logits through a select: the same bits either way. A step none of whose
     rows filters does not build it at all (`SamplingInputs.filter_topk_topp`, static)."""
-    if _platform.platform() != "gpu":
+    if not backend().gpu:
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
         return jax.lax.cond(
             needs_filter,
@@ -254,7 +255,7 @@ def _draw_unless_greedy(draw, scaled: jax.Array, greedy: jax.Array, temperature:
     CPU decode step of the embedded model, whose rows are all greedy in the common case. Rows
     that sample get the same draw either way. On a GPU the skip would be a host-side
     conditional, as for the top-k/top-p filter (`_top_k_top_p`), so it always draws there."""
-    if _platform.platform() == "gpu":
+    if backend().gpu:
         return draw(scaled)
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda s: greedy, scaled)
 

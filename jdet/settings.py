@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jdet.ops import MODES
-from pallas_kernels import _platform
+from jdet.plan import backend
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -65,6 +65,14 @@ class EngineConfig:
     compile_cache: bool | str = _opt(
         True, "persistent XLA compilation cache: --compile-cache-dir DIR (default "
         "$JDET_CACHE_DIR or ~/.cache/jdet/xla) or --no-compile-cache", flag="--compile-cache-dir",
+    )  # fmt: skip
+    sampler_variants: str = _opt(
+        "auto", "the sampler variants steps may run, each its own executable that warm-up "
+        "compiles (serving/engine/sampler_variants.py): 'auto' (lean and full on a GPU, greedy "
+        "and full on a CPU), 'on-demand' (each compiled at its first step, as `jdet generate` "
+        "runs), "
+        "'lean-full', 'greedy-full' or 'full'",
+        choices=("auto", "on-demand", "lean-full", "greedy-full", "full"),
     )  # fmt: skip
     async_scheduling: bool | str = _opt(
         "auto", "dispatch each steady decode step before the previous one's tokens reach the host "
@@ -147,16 +155,14 @@ def from_args(cls: type, a: argparse.Namespace) -> Any:
 
 def resolve_async(value: bool | str) -> bool:
     """EngineConfig.async_scheduling: "auto" (default) is on where the device runs the step
-    asynchronously to the host: a GPU (the engine step then costs the device step + 0.2 ms
-    instead of + 2.1 ms on an H100) and a CPU, where XLA runs the step on its
-    own thread, so on a machine with a core to spare the host's work for step n overlaps step
-    n + 1 (embedded model, batch-1 "tp" greedy decode on the 2-core CI machine, one process,
-    load 5-7: 99 -> 140 tok/s best of 4, median 90 -> 126; "none" unchanged, 6 tok/s). True/"on"
-    and False/"off" force it; same bits either way (tests/serving/engine/test_async.py)."""
+    asynchronously to the host: a GPU (the host's work for a step then hides behind the device's)
+    and a CPU, where XLA runs the step on its own thread, so on a machine with a core to spare
+    the host's work for step n overlaps step n + 1 (BENCHMARKS.md). True/"on" and False/"off"
+    force it; same bits either way (tests/serving/engine/test_async.py)."""
     if value in (True, "on"):
         return True
     if value in (False, "off"):
         return False
     if value == "auto":
-        return _platform.platform() in ("gpu", "cpu")
+        return backend().gpu or backend().cpu
     raise ValueError(f"async_scheduling={value!r}: use 'auto', 'on' or 'off' (or a bool)")

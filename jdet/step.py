@@ -19,8 +19,8 @@ from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache  # noqa: F401  (re-exported: the contract names it here)
 from jdet.model import forward
 from jdet.ops import Ops
+from jdet.plan import backend
 from jdet.sampling import SampleOut, SamplingInputs, sample, token_logprobs
-from pallas_kernels import _platform
 
 
 def step_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
@@ -120,12 +120,13 @@ def xla_options(ops: Ops) -> dict:
     (H100 profile, Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off
     the dots go to cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS`
     ("key=value,...", or "" for XLA's defaults) overrides it, for benchmarks."""
-    if _platform.platform() == "cpu":
+    here = backend()
+    if here.cpu:
         if not ops.invariant:  # "none" stays XLA's default (threaded): the baseline as it is
             return {}
         env = os.environ.get(CPU_OPTIONS_ENV)
         return dict(CPU_XLA_OPTIONS) if env is None else _parse_options(env)
-    if _platform.platform() != "gpu":
+    if not here.gpu:
         return {}
     if ops.invariant:
         return dict(GPU_XLA_OPTIONS)
@@ -141,7 +142,7 @@ def jit_step(ops: Ops, *, nested: bool = False) -> Callable:
     The jitted function carries its options as `jdet_xla_options` (the executable cache's key)."""
     opts = xla_options(ops)
     if nested:  # jdet.train nests the invariant modes' score, which then take their caller's
-        opts = {} if _platform.platform() == "cpu" else {
+        opts = {} if backend().cpu else {
             k: v for k, v in opts.items() if k not in GPU_XLA_OPTIONS}  # fmt: skip
 
     def jit(fn: Callable) -> Callable:

@@ -29,7 +29,7 @@ def check_tp_size(tp: int, available: int | None = None) -> None:
     if available is not None and tp > available:
         raise ValueError(
             f"tp={tp} needs {tp} devices but only {available} are visible "
-            f"({jax.default_backend()}); lower tp, or on CPU set "
+            f"({jax.devices()[0].platform}); lower tp, or on CPU set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
         )
 

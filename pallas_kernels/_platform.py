@@ -5,16 +5,23 @@ Pallas can only interpret them, one grid point after another, which made the emb
 generate a few tokens per second; so the CPU runs `xla_fixed` (same invariance, its own bits).
 JDET_PALLAS_INTERPRET=1 brings back the interpret-mode kernels on a CPU: the kernel tests use it,
 since those kernels are the GPU path and the reference for GPU bits.
+
+`backend()` is the one answer to "where does this run" for code outside this package: jdet's
+Plan names it (jdet/plan.py `backend`, `Plan.backend`), and every call site asks a property of
+the `Backend` it returns instead of probing the platform itself (tests/test_layers.py checks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import platform as _host
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 
 @functools.cache
@@ -58,7 +65,7 @@ def host_cpu_fields() -> dict[str, str] | None:
     """The first processor's fields of Linux's /proc/cpuinfo (vendor_id, model name, flags,
     ...), or None where there is none. XLA CPU compiles for the host's instruction set, so the
     CPU path's bits, and some of its measured properties, follow it (jdet/fingerprint.py
-    `host_cpu`, xla_fixed.py `small_row_blocks_verified`)."""
+    `host_cpu`, `small_row_blocks_verified`)."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read().split("\n\n")[0]
@@ -77,8 +84,114 @@ def is_hopper() -> bool:
     """True on an sm_90 GPU (H100/H200), where the Mosaic GPU kernels are used."""
     if platform() != "gpu":
         return False
-    kind = jax.devices()[0].device_kind.lower()
-    return any(tag in kind for tag in ("h100", "h200", "h800", "gh200"))
+    return any(tag in _device_kind() for tag in ("h100", "h200", "h800", "gh200"))
+
+
+@functools.cache
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind.lower()
+
+
+# -- the small row blocks of the CPU path (xla_fixed.row_block) -----------------------------------
+# XLA CPU's [m, K] x [K, BN] dot gives every row the bits of the same row of the 8-row dot for
+# m = 2..7 (benchmarks/row_block_probe.py, at every K probed; tests/pallas_kernels/
+# test_xla_fixed_row_blocks.py checks model shapes), but not for m = 1 (a matrix-vector path,
+# other bits for K >= 384): a 1-row product pads to 2 rows. That equality is a measured property
+# of one XLA on one instruction set, not a construction, so the small blocks are on only where it
+# was measured (`small_row_blocks_verified`); elsewhere every product runs 8-row dots, invariant by
+# construction (a batch-1 CPU decode is then slower: BENCHMARKS.md, "CPU (embedded model)").
+SMALL_ROW_BLOCKS_ENV = "JDET_SMALL_ROW_BLOCKS"  # "1" / "0": force them on / off (measurements)
+# jaxlib versions whose XLA CPU was measured to keep the rows (x86-64 with AVX2). Not 0.11: on an
+# AVX-512 Xeon its 2- and 4-row dots gave rows other than the 8-row dot's at K = 1536 and 4096
+# (f32 and bf16), also with `--xla_cpu_max_isa=AVX2` and with the XNNPACK/YNNPACK/oneDNN fusions
+# off, so it is the compiler, not the ISA (BENCHMARKS.md, "CPU (embedded model)").
+SMALL_ROW_BLOCKS_JAXLIB = ("0.10.",)
+
+
+def small_row_blocks_verified(jaxlib_version: str, machine: str, cpu_flags: frozenset) -> bool:
+    """Whether the small row blocks' equality was measured for this jaxlib and CPU: a listed
+    jaxlib on x86-64 with AVX2 and without AVX-512 (whose wider vectors LLVM would use: not
+    measured). Unknown flags (no /proc/cpuinfo) are not measured either."""
+    return (
+        machine.lower() in ("x86_64", "amd64")
+        and "avx2" in cpu_flags
+        and "avx512f" not in cpu_flags
+        and jaxlib_version.startswith(SMALL_ROW_BLOCKS_JAXLIB)
+    )
+
+
+@functools.cache
+def small_row_blocks_verified_here() -> bool:
+    """`small_row_blocks_verified` for this process's jaxlib and host CPU."""
+    return small_row_blocks_verified(jaxlib.__version__, _host.machine(), host_cpu_flags())
+
+
+def small_row_blocks() -> bool:
+    """Whether the CPU path's products of 1-4 rows run 2- or 4-row dots (`xla_fixed.row_block`):
+    where verified, unless JDET_SMALL_ROW_BLOCKS=0/1 forces it. Read at trace time."""
+    env = os.environ.get(SMALL_ROW_BLOCKS_ENV, "").strip().lower()
+    if env:
+        return env in ("1", "true", "yes")
+    return small_row_blocks_verified_here()
+
+
+# -- the backend, as the rest of jdet asks for it -------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Where this process's kernels run, named once (jdet/plan.py `Plan.backend` wraps it).
+
+    `platform`: the default device's ('cpu', 'gpu' or 'tpu'). `kernels`: the implementation the
+    invariant modes run, whose bits differ from the others' (part of system_fingerprint):
+    'xla-fixed-cpu' (`xla_fixed`; 'xla-fixed-cpu/8-row' without the small row blocks),
+    'pallas-interpret', 'mosaic-gpu' (Hopper), 'pallas-triton' or 'pallas-<platform>'.
+    """
+
+    platform: str
+    kernels: str
+
+    @property
+    def cpu(self) -> bool:
+        """A CPU process (whichever kernels: `xla_fixed`, or Pallas interpreted)."""
+        return self.platform == "cpu"
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform == "gpu"
+
+    @property
+    def xla_fixed(self) -> bool:
+        """The kernels are `xla_fixed`'s fixed-order XLA programs (a CPU, not interpreting)."""
+        return self.kernels.startswith("xla-fixed-cpu")
+
+    @property
+    def interpret(self) -> bool:
+        """The Pallas kernels run in interpret mode (a CPU under JDET_PALLAS_INTERPRET=1)."""
+        return self.kernels == "pallas-interpret"
+
+    @property
+    def hopper(self) -> bool:
+        """An sm_90 GPU, where the Mosaic GPU kernels run."""
+        return self.kernels == "mosaic-gpu"
+
+    @property
+    def small_row_blocks(self) -> bool:
+        """The CPU path runs products of 1-4 rows as 2- or 4-row dots (`small_row_blocks`)."""
+        return self.kernels == "xla-fixed-cpu"
+
+
+def backend() -> Backend:
+    """This process's `Backend`. Not cached: JDET_PALLAS_INTERPRET and JDET_SMALL_ROW_BLOCKS are
+    read when a kernel is traced (a jitted step keeps what it traced), and tests set them."""
+    p = platform()
+    if xla_fixed_default():
+        kernels = "xla-fixed-cpu" if small_row_blocks() else "xla-fixed-cpu/8-row"
+    elif interpret_default():
+        kernels = "pallas-interpret"
+    elif is_hopper():
+        kernels = "mosaic-gpu"
+    else:
+        kernels = "pallas-triton" if p == "gpu" else f"pallas-{p}"
+    return Backend(platform=p, kernels=kernels)
 
 
 def matmul_weight_dtype(dtype: Any) -> Any:

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform, xla_fixed
+from pallas_kernels.decode_tiles import DEFAULT_TILES, DecodeTiles
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla")
 
@@ -168,11 +169,13 @@ def _matmul_pallas(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
 
 
 def matmul(
-    a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None, *, backend: str | None = None
-) -> jax.Array:
+    a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None, *, backend: str | None = None,
+    tiles: DecodeTiles = DEFAULT_TILES,
+) -> jax.Array:  # fmt: skip
     """Batch-invariant a[M, K] @ b[K, N] with f32 accumulation, cast to out_dtype (default:
     the operands' dtype). `backend` ('auto', 'mosaic', 'pallas', 'xla') exists for
-    tests/benchmarks."""
+    tests/benchmarks; `tiles`: the Hopper kernel's decode CTAs (pallas_kernels/decode_tiles.py,
+    never the bits)."""
     dtype = _check_operands(a, b)
     out_dtype = jnp.dtype(out_dtype or dtype)
     resolved = resolve_backend(backend)
@@ -182,7 +185,7 @@ def matmul(
         from pallas_kernels import matmul_mosaic  # Mosaic GPU (~0.5 s): Hopper only
 
         if matmul_mosaic.supports(a.shape[1], b.shape[1], dtype):
-            return matmul_mosaic.matmul(a.astype(dtype), b.astype(dtype), out_dtype)
+            return matmul_mosaic.matmul(a.astype(dtype), b.astype(dtype), out_dtype, tiles=tiles)
     return _matmul_pallas(a, b, out_dtype)
 
 

@@ -42,6 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.decode_tiles import DEFAULT_TILES, DecodeTiles
+
 BLOCK_M = 128
 BLOCK_K = 64
 
@@ -88,20 +90,18 @@ def _stages(cta_m: int, cta_n: int, tile_m: int, tile_n: int, out_dtype, wgs: in
 
 
 SMALL_M_ROWS = 64  # M at or below this runs on 64-row CTAs (see mosaic_config)
-SMALL_M_TILES = True  # benchmarks switch it off to measure what it buys
-DECODE_CTA_N = 64  # 128: two consumer warpgroups per decode CTA, half the CTAs (decode_config)
-DECODE_TILE_K = 128  # K columns per pipeline step of a decode CTA (64: twice the steps)
 
 
-def decode_rows(m: int) -> bool:
+def decode_rows(m: int, tiles: DecodeTiles = DEFAULT_TILES) -> bool:
     """Whether an M-row product runs on the 64-row decode CTAs (BIO and tree alike)."""
-    return SMALL_M_TILES and m <= SMALL_M_ROWS
+    return tiles.small_m and m <= SMALL_M_ROWS
 
 
 def decode_config(out_dtype, subtree: int = 1, cta_n: int | None = None,
-                  tile_k: int | None = None) -> MosaicConfig:  # fmt: skip
-    """CTA 64 x cta_n (default DECODE_CTA_N), tile_k (DECODE_TILE_K) columns of K per pipeline
-    step; benchmarks/tile_probe.py passes other values to compare them.
+                  tile_k: int | None = None,
+                  tiles: DecodeTiles = DEFAULT_TILES) -> MosaicConfig:  # fmt: skip
+    """CTA 64 x cta_n (default `tiles.cta_n`), tile_k (`tiles.tile_k`) columns of K per
+    pipeline step; benchmarks/tile_probe.py passes other values to compare them.
 
     One consumer warpgroup at 64 columns, two side by side at 128: a 64 x 64 accumulator either
     way, the same wgmma instructions per element; only the CTA count (and so the SMs streaming
@@ -111,22 +111,17 @@ def decode_config(out_dtype, subtree: int = 1, cta_n: int | None = None,
     benchmarks/tile_probe.py, a few per cent of the 8B and 0.6B steps): the q|k|v product
     (N = 6144) gets 96 CTAs on 132 SMs instead of 48. tests/pallas_kernels/test_matmul.py checks
     every combination against the 128-row plan on the GPU."""
-    wgs = (cta_n or DECODE_CTA_N) // 64
-    tile_k = tile_k or DECODE_TILE_K
-    return MosaicConfig(
-        tile_m=64,
-        tile_n=64,
-        tile_k=tile_k,
-        max_concurrent_steps=_stages(64, 64 * wgs, 64, 64, out_dtype, wgs, tile_k),
-        wg_split="N",
-        num_wgs=wgs,
-        subtree=subtree,
-    )
+    wgs = (cta_n or tiles.cta_n) // 64
+    tile_k = tile_k or tiles.tile_k
+    steps = _stages(64, 64 * wgs, 64, 64, out_dtype, wgs, tile_k)
+    return MosaicConfig(tile_m=64, tile_n=64, tile_k=tile_k, max_concurrent_steps=steps,
+                        wg_split="N", num_wgs=wgs, subtree=subtree)  # fmt: skip
 
 
 def mosaic_config(
-    n: int, out_dtype, cta_n: int | None = None, m: int | None = None
-) -> MosaicConfig:
+    n: int, out_dtype, cta_n: int | None = None, m: int | None = None,
+    tiles: DecodeTiles = DEFAULT_TILES,
+) -> MosaicConfig:  # fmt: skip
     """BIO tile plan for an N-wide output.
 
     CTA 128 x cta_n with the two warpgroups side by side along N; cta_n = 256 when N % 256 == 0
@@ -141,8 +136,8 @@ def mosaic_config(
     every candidate shape. A 128-row CTA at M = 16 spends 7/8 of its tensor-core time on zero
     rows; with 24 CTAs for N = 6144 that, not HBM, bounded the decode matmul.
     """
-    if m is not None and decode_rows(m) and cta_n is None:
-        return decode_config(out_dtype)
+    if m is not None and decode_rows(m, tiles) and cta_n is None:
+        return decode_config(out_dtype, tiles=tiles)
     if cta_n is None:
         cta_n = 256 if n % 256 == 0 else 128
     tile_n = cta_n // 2
@@ -162,6 +157,7 @@ def tree_config(
     out_dtype=jnp.float32,
     wide=False,
     small=False,
+    tiles: DecodeTiles = DEFAULT_TILES,
 ) -> MosaicConfig:
     """Tile plan of the tree kernel (N % 128 == 0 is all it needs).
 
@@ -171,7 +167,7 @@ def tree_config(
     CTA 64 x 128 whatever tile_n, so no warpgroup works on zero rows.
     """
     if small:
-        return decode_config(out_dtype, subtree)
+        return decode_config(out_dtype, subtree, tiles=tiles)
     if wide:
         return MosaicConfig(
             tile_m=128,
@@ -391,8 +387,9 @@ def _leaf_products(a: jax.Array, b: jax.Array, out_dtype, num_leaves: int, cfg: 
     return f(a, b).reshape(groups, mp, n)
 
 
-def matmul(a: jax.Array, b: jax.Array, out_dtype, cta_n: int | None = None) -> jax.Array:
+def matmul(a: jax.Array, b: jax.Array, out_dtype, cta_n: int | None = None,
+           tiles: DecodeTiles = DEFAULT_TILES) -> jax.Array:  # fmt: skip
     """BIO matmul on Hopper: one sequential K range per output tile."""
     m = a.shape[0]
-    cfg = mosaic_config(b.shape[1], jnp.dtype(out_dtype), cta_n, m=m)
+    cfg = mosaic_config(b.shape[1], jnp.dtype(out_dtype), cta_n, m=m, tiles=tiles)
     return _leaf_products(a, b, jnp.dtype(out_dtype), 1, cfg)[0, :m]

@@ -5,7 +5,7 @@ sequence s attends to KV positions 0..p of s, read from the paged cache (which a
 step's K/V). Its output bits depend only on (its query vector, p, s's KV values): not on the other
 rows of the batch, the chunk it came in, the number of tokens, or which physical pages hold the KV.
 
-Reduction plan (DESIGN §4; the split-KV scheme of seed 003):
+Reduction plan (DESIGN §4; split-KV, as flash-decoding):
 - KV positions are cut into fixed partitions of `partition_size` tokens aligned to position 0
   (partition j covers [j*PS, (j+1)*PS)). PS is a multiple of the page size.
 - Inside a partition, one query row runs the online softmax over fixed KV blocks of `block_kv`
@@ -39,11 +39,11 @@ Reduction plan (DESIGN §4; the split-KV scheme of seed 003):
   presumably), so
   the loop shape is part of the plan, and the layouts keep it identical.
 - Fixed per model: ROWS (MMA M), block_kv, partition_size, num_warps — bits change if any does.
-  How K/V and the page indices are loaded (paged_attention_kernels.py KV_GATHER_2D, PAGES_AHEAD,
-  STATIC_BLOCKS, on by default: 2-D gathers, indices ahead of the
-  loop, a static block loop whose extra blocks are the exact identities above) and the split
-  kernel's pipeline depth are not part of the plan: no summed value or order changes (the
-  knobs-off kernel gives the same bits, tests/pallas_kernels/test_attention_knobs_gpu.py).
+  How K/V and the page indices are loaded and the split kernel's pipeline depth
+  (`AttentionConfig`: by default 2-D gathers, indices ahead of the loop, a static block loop
+  whose extra blocks are the exact identities above) are not part of the plan: no summed value
+  or order changes (every setting gives the same bits,
+  tests/pallas_kernels/test_attention_knobs_gpu.py).
 
 Nothing depends on T, S or the batch composition except how many programs run.
 
@@ -52,8 +52,8 @@ contributes p = 0, and 0 * v is 0 only for finite v; slots past a context inside
 (and page 0, which padded page-table entries point at) are loaded and masked, never trusted.
 
 Backends: `pl.pallas_call` — compiled with the Triton lowering on a GPU. On a CPU
-`xla_fixed.paged_attention` runs instead (the same KV blocks aligned to position 0, in plain XLA;
-its plan is in that module), or this kernel in interpret mode with JDET_PALLAS_INTERPRET=1.
+`xla_attention.paged_attention` runs instead (the same KV blocks aligned to position 0, in plain
+XLA; its plan is in that module), or this kernel in interpret mode with JDET_PALLAS_INTERPRET=1.
 Invariance holds within a backend; bits differ across backends.
 
 Files: this one holds the plan (above), the public entry point and the references;
@@ -66,9 +66,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _platform, xla_fixed
+from pallas_kernels import _platform, xla_attention
 from pallas_kernels._platform import as_float, kv_compute_dtype
-from pallas_kernels.paged_attention_kernels import ROWS, _check, default_block_kv
+from pallas_kernels.paged_attention_kernels import (
+    DEFAULT_CONFIG,
+    ROWS,
+    AttentionConfig,
+    _check,
+    default_block_kv,
+)
 from pallas_kernels.paged_attention_pallas import _paged_attention_pallas
 
 
@@ -94,10 +100,11 @@ def paged_attention(
     out_rows: int | None = None,
     q_heads: int | None = None,
     direct_out: bool = False,
+    config: AttentionConfig = DEFAULT_CONFIG,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
-    `backend`: 'auto' (this kernel; on a CPU `xla_fixed.paged_attention`, the same KV blocks
+    `backend`: 'auto' (this kernel; on a CPU `xla_attention.paged_attention`, the same KV blocks
     aligned to position 0, unless JDET_PALLAS_INTERPRET=1), 'pallas' or 'xla'. The other
     arguments are `_paged_attention_pallas`'s; `structure`, `block_rows` and the launch
     parameters only concern the Pallas kernel. `meta` (the Pallas kernel's batch-derived
@@ -105,7 +112,8 @@ def paged_attention(
     caller hoist per-step work out of its layer loop and skip the next matmul's row padding.
     `q_heads`: q is already the Pallas kernel's query tiles (pallas_kernels/rope_kv.py); the
     XLA version takes q[T, H, E] only and refuses it. `direct_out`: the Pallas merge kernel
-    writes the final rows itself (`_paged_attention_pallas`); the XLA version ignores it.
+    writes the final rows itself (`_paged_attention_pallas`); the XLA version ignores it, and
+    `config` (`AttentionConfig`: how the Pallas kernels load and launch, never their bits).
     """
     if _platform.resolve(backend, "paged_attention") == "pallas":
         if k_cache.dtype == jnp.uint16:  # CPU storage of a 16-bit cache (jdet/kv_cache.py)
@@ -115,7 +123,7 @@ def paged_attention(
             scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
             structure=structure, block_rows=block_rows, num_warps=num_warps,
             num_stages=num_stages, meta=meta, out_rows=out_rows, q_heads=q_heads,
-            direct_out=direct_out,
+            direct_out=direct_out, config=config,
         )  # fmt: skip
     if q_heads is not None:
         raise ValueError("paged_attention: q_heads (query tiles) needs the Pallas backend")
@@ -133,7 +141,7 @@ def paged_attention(
             f"block_kv ({bk}) must divide partition_size ({partition_size}) and be a multiple of "
             f"the page size ({page_size})"
         )
-    out = xla_fixed.paged_attention(
+    out = xla_attention.paged_attention(
         q, k_cache, v_cache, page_table, context_lens, query_start, positions,
         scale=float(scale), block_kv=bk, layer=layer,
     )  # fmt: skip

@@ -124,42 +124,56 @@ def _store_rows(ref, val, row_ok):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How the Pallas paged attention loads its operands and launches (`paged_attention`'s
+    `config`, jdet's `Ops.attn_config`). No field changes a value that is summed or the order of
+    any sum, so every setting gives the bits of every other (CPU: interpret-mode tests; GPU:
+    tests/pallas_kernels/test_attention_knobs_gpu.py checks what Triton makes of them);
+    benchmarks build other settings to measure them. The defaults are the fastest measured
+    (BENCHMARKS.md): the three load paths together with 3 split-kernel stages; none of the
+    load paths gained alone.
+    """
+
+    # A KV block is one [block_kv, E] gather (token -> page, slot) that feeds the dot as it is,
+    # instead of a [pages, page_size, E] load and a reshape (which may keep Triton's pipeliner
+    # from staging it in shared memory).
+    kv_gather_2d: bool = True
+    # The partition's page indices are loaded once before the block loop, and each block picks
+    # its own from registers, so no block waits on a page-table load before its K/V loads.
+    pages_ahead: bool = True
+    # The block loop runs all partition_size / block_kv blocks (a static trip count, which
+    # Triton can software-pipeline); blocks past the tile's last needed position are exact
+    # identities (module docstring of paged_attention.py) and, with kv_gather_2d, masked loads
+    # that move no memory.
+    static_blocks: bool = True
+    # Partitions whose loads the merge kernel keeps in flight ahead of the one it folds.
+    merge_prefetch: int = 4
+    # The split kernel's Triton pipeline depth where a call passes no `num_stages`.
+    split_stages: int = 3
+    # structure="auto" runs the split-KV pair when fewer (query tile x kv head) programs exist.
+    split_below_programs: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static reduction plan of one call (every field a function of model shapes only)."""
+    """Static reduction plan of one call (every field a function of model shapes only), and the
+    call's `AttentionConfig` (how it loads: never a value or an order)."""
 
     partition_size: int
     block_kv: int
     page_size: int
     qk_scale: float
     precision: lax.Precision
+    config: AttentionConfig = AttentionConfig()
+
+
+DEFAULT_CONFIG = AttentionConfig()  # frozen: the defaults every call gets unless it passes one
 
 
 def _num_parts(lim, plan: _Plan):
     """Partitions holding any kv position < max(lim) (the rest are sentinels)."""
     tile_lim = jnp.max(lim)
     return jnp.maximum((tile_lim + plan.partition_size - 1) // plan.partition_size, 0)
-
-
-# Load-shape knobs of `_partition`. Module-level ints so benchmarks/decode_bench.py
-# --variants can flip them per compile; each changes only how K/V and the page indices reach the
-# registers, never a value that is summed or the order of any sum, so the bits stay those of the
-# knobs-off kernel (CPU: interpret-mode tests; GPU: tests/pallas_kernels/test_attention_knobs_gpu.py
-# checks what Triton makes of them). 0 = off. The three below are on: together with the split
-# kernel's 3 pipeline stages (paged_attention_pallas.SPLIT_STAGES) they took the 8B decode
-# attention from 16.4 to 14.2 us a layer on an H100 (none of them gained alone).
-# KV_GATHER_2D: a KV block is one [block_kv, E] gather (token -> page, slot) that feeds the dot
-#   as it is, instead of a [pages, page_size, E] load and a reshape (which may keep Triton's
-#   pipeliner from staging it in shared memory).
-KV_GATHER_2D = 1
-# PAGES_AHEAD: the partition's page indices are loaded once before the block loop, and each
-#   block picks its own from registers, so no block waits on a page-table load before its K/V
-#   loads can be issued.
-PAGES_AHEAD = 1
-# STATIC_BLOCKS: the block loop runs all partition_size / block_kv blocks (a static trip count,
-#   which Triton can software-pipeline); blocks past the tile's last needed position are exact
-#   identities (module docstring of paged_attention.py) and, with KV_GATHER_2D, masked loads
-#   that move no memory.
-STATIC_BLOCKS = 1
 
 
 def _block_page_index(plan: _Plan, per_token: bool):
@@ -174,11 +188,11 @@ def _block_page_index(plan: _Plan, per_token: bool):
 
 
 def _kv_block(ref, pages, blk_ok, e: int, plan: _Plan):
-    """One KV block [block_kv, E]: `pages` are its pages [ppb] or (KV_GATHER_2D) each token's
+    """One KV block [block_kv, E]: `pages` are its pages [ppb] or (kv_gather_2d) each token's
     page [block_kv]; with blk_ok False (a static-loop block past the tile's end) a 2-D load is
     masked to zeros, the same values a masked block contributes (p = 0)."""
     bk = plan.block_kv
-    if not KV_GATHER_2D:
+    if not plan.config.kv_gather_2d:
         return ref[pages].reshape(bk, e)
     cols = lax.broadcasted_iota(jnp.int32, (1, e), 1)
     idx = (pages[:, None], _token_slots(bk, plan.page_size), cols)
@@ -195,7 +209,7 @@ _PAST_END_FILL = 0.0
 
 
 def _token_slots(bk: int, page_size: int):
-    """[bk, 1] each token's slot in its page (KV_GATHER_2D)."""
+    """[bk, 1] each token's slot in its page (`AttentionConfig.kv_gather_2d`)."""
     return lax.broadcasted_iota(jnp.int32, (bk, 1), 0) % page_size
 
 
@@ -204,8 +218,8 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
 
     KV blocks of plan.block_kv tokens in increasing order; the tile stops after the last block any
     of its rows needs, which is an exact identity for the rows that need fewer (module docstring).
-    The load-shape knobs above change how blocks are fetched and the loop's trip count, never a
-    value: the blocks past the tile's end a static loop runs are those exact identities.
+    `plan.config` (`AttentionConfig`) changes how blocks are fetched and the loop's trip count,
+    never a value: the blocks past the tile's end a static loop runs are those exact identities.
     """
     rows, e = q.shape
     bk, ps = plan.block_kv, plan.partition_size
@@ -213,9 +227,10 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     ppp = ps // plan.page_size
     part_start = j * ps
     n_blk = jnp.clip((jnp.max(lim) - part_start + bk - 1) // bk, 0, ps // bk)
-    per_token = bool(KV_GATHER_2D)
+    cfg = plan.config
+    per_token = bool(cfg.kv_gather_2d)
     ahead = None
-    if PAGES_AHEAD:  # [nb, width] of this partition, then picked by block in registers
+    if cfg.pages_ahead:  # [nb, width] of this partition, then picked by block in registers
         ahead = pt_ref[j * ppp + _block_page_index(plan, per_token)]
 
     def pages_of(b):
@@ -230,7 +245,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
     def body(b, carry):
         m, lsum, acc = carry
         pages = pages_of(b)
-        blk_ok = (b < n_blk) if STATIC_BLOCKS and per_token else None
+        blk_ok = (b < n_blk) if cfg.static_blocks and per_token else None
         k = _kv_block(k_ref, pages, blk_ok, e, plan)
         v = _kv_block(v_ref, pages, blk_ok, e, plan)
         s = _dot(q, k, 1, plan.precision) * plan.qk_scale
@@ -244,7 +259,7 @@ def _partition(j, q, lim, pt_ref, k_ref, v_ref, plan: _Plan):
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 0, plan.precision)
         return m_new, lsum, acc
 
-    return lax.fori_loop(0, ps // bk if STATIC_BLOCKS else n_blk, body, _sentinel(rows, e))
+    return lax.fori_loop(0, ps // bk if cfg.static_blocks else n_blk, body, _sentinel(rows, e))
 
 
 def _sentinel(rows: int, e: int):
@@ -287,10 +302,6 @@ def _split_kernel(pt_ref, lim_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *
         _store_rows(l_ref, lsum, row_ok)
 
 
-# Partitions whose loads the merge kernel keeps in flight ahead of the one it folds.
-MERGE_PREFETCH = 4
-
-
 def _merge_kernel(lim_ref, acc_ref, m_ref, l_ref, o_ref, *, plan: _Plan):
     """Grid (tile, kv head, token of the tile): fold the token's partitions in increasing order.
 
@@ -298,7 +309,7 @@ def _merge_kernel(lim_ref, acc_ref, m_ref, l_ref, o_ref, *, plan: _Plan):
     MMA tile) changes no bits. Each loop step folds exactly one partition, as `_looped_kernel`
     does (XLA CPU was seen to round an unrolled chain of merges differently from a loop of
     single merges, so the loop shape is part of the plan); the loads of the next
-    MERGE_PREFETCH partitions ride in the carry to hide memory latency.
+    `AttentionConfig.merge_prefetch` partitions ride in the carry to hide memory latency.
     """
     lim = lim_ref[...]  # [G_pad]
     row_ok = lim >= 0
@@ -310,6 +321,7 @@ def _merged(lim, acc_ref, m_ref, l_ref, plan: _Plan, dtype):
     row_ok = lim >= 0
     gp, e = acc_ref.shape[-2:]
     n_parts = _num_parts(lim, plan)
+    ahead = plan.config.merge_prefetch
 
     def load(j):
         ok = row_ok & (j < n_parts)
@@ -322,9 +334,9 @@ def _merged(lim, acc_ref, m_ref, l_ref, plan: _Plan, dtype):
     def body(j, carry):
         state, parts = carry
         state = _merge(state, parts[0])
-        return state, parts[1:] + (load(j + MERGE_PREFETCH),)
+        return state, parts[1:] + (load(j + ahead),)
 
-    init = (_sentinel(gp, e), tuple(load(jnp.int32(d)) for d in range(MERGE_PREFETCH)))
+    init = (_sentinel(gp, e), tuple(load(jnp.int32(d)) for d in range(ahead)))
     state, _ = lax.fori_loop(0, n_parts, body, init)
     return _finish(state, dtype)
 

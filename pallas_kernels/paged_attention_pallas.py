@@ -14,7 +14,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _platform
 from pallas_kernels.paged_attention_kernels import (
     _LOG2E,
+    DEFAULT_CONFIG,
     ROWS,
+    AttentionConfig,
     _check,
     _looped_kernel,
     _merge_kernel,
@@ -28,16 +30,6 @@ from pallas_kernels.paged_attention_kernels import (
 )
 
 STRUCTURES = ("auto", "split", "looped")
-# "auto" runs the split-KV pair when fewer (query tile x kv head) programs than this exist.
-SPLIT_BELOW_PROGRAMS = 4096
-# The split kernel's Triton pipeline depth where a call passes none (a module-level int for
-# benchmarks/decode_bench.py --variants; no value or order of the plan depends on it, and
-# tests/pallas_kernels/test_attention_knobs_gpu.py checks the bits on the GPU). 3, with the
-# 2-D K/V gathers, page indices ahead and the static block loop (paged_attention_kernels.py):
-# H100, JAX 0.11.2, one process: the 8B decode attention 16.4 -> 14.2 us a layer (0.6B shape
-# 16.3 -> 13.8), the Llama-3-8B batch-1 step 6.95 -> 6.87 ms; stages 3 alone or the loads
-# alone gave nothing (16.4 / 16.0 us), stages 1 18.1 us, 2 warps 40.6, 8 warps 19.2.
-SPLIT_STAGES = 3
 
 
 def attention_meta(
@@ -85,7 +77,7 @@ def attention_meta(
     jax.jit,
     static_argnames=(
         "scale", "partition_size", "block_kv", "structure", "block_rows", "num_warps",
-        "num_stages", "out_rows", "q_heads", "direct_out",
+        "num_stages", "out_rows", "q_heads", "direct_out", "config",
     ),
 )  # fmt: skip
 def _paged_attention_pallas(
@@ -109,9 +101,11 @@ def _paged_attention_pallas(
     out_rows: int | None = None,
     q_heads: int | None = None,
     direct_out: bool = False,
+    config: AttentionConfig = DEFAULT_CONFIG,
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
+    `config`: how the kernels load and launch (`AttentionConfig`: never a value or an order).
     `direct_out`: in the split layout, the merge kernel writes the [out_rows or T, H, E] result
     itself, padding rows zeroed (`_merge_rows_kernel`), instead of a gather + select after it:
     the same values in the same places, one launch fewer. The looped layout ignores it.
@@ -175,7 +169,8 @@ def _paged_attention_pallas(
         )
     ppp = partition_size // page_size  # pages per partition
     num_parts = max(1, -(-(pmax * page_size) // partition_size))
-    plan = _Plan(partition_size, bk, page_size, float(scale) * _LOG2E, _precision(q.dtype))
+    plan = _Plan(partition_size, bk, page_size, float(scale) * _LOG2E, _precision(q.dtype),
+                 config)  # fmt: skip
 
     if meta is None:
         meta = attention_meta(
@@ -202,14 +197,14 @@ def _paged_attention_pallas(
     interpret = _platform.interpret_default()
     compiler_params = merge_params = None
     if not interpret:
-        # The merge holds (1 + MERGE_PREFETCH) x [G_pad, E] f32 per program: ~16 values per
+        # The merge holds (1 + config.merge_prefetch) x [G_pad, E] f32 per program: ~16 values per
         # thread per partial keeps it in registers.
         merge_warps = max(1, min(8, gp * e // 512))
         merge_params = pltriton.CompilerParams(num_warps=merge_warps, num_stages=1)
     if structure == "auto":
-        structure = "split" if nt * kh < SPLIT_BELOW_PROGRAMS else "looped"
+        structure = "split" if nt * kh < config.split_below_programs else "looped"
     if not interpret:
-        stages = num_stages or (SPLIT_STAGES if structure == "split" else 2)
+        stages = num_stages or (config.split_stages if structure == "split" else 2)
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
     cache_spec = pl.BlockSpec((None, num_pages, page_size, e), lambda i, k, *_: (k, 0, 0, 0))
     if stacked:
@@ -316,7 +311,7 @@ class _PagePool:
         return self.ref[self._shift(idx)]
 
     def at_rows(self, idx: tuple):
-        """`ref.at[...]` of a (page, slot, column) index (KV_GATHER_2D's masked loads)."""
+        """`ref.at[...]` of a (page, slot, column) index (kv_gather_2d's masked loads)."""
         return self.ref.at[self._shift(idx)]
 
     def _shift(self, idx):

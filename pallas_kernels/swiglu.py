@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode_tiles import DEFAULT_TILES, DecodeTiles
 from pallas_kernels.matmul import resolve_backend
 
 # 1: the gate|up projection ends in SwiGLU on Hopper (a plan choice: 0 gives other bits).
@@ -36,14 +37,14 @@ def supported(k: int, two_f: int, dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 2 and k % 64 == 0 and two_f % 256 == 0
 
 
-def swiglu_config(m: int, out_dtype):
+def swiglu_config(m: int, out_dtype, tiles: DecodeTiles = DEFAULT_TILES):
     """CTA plan: the decode CTA (64 rows, one warpgroup, 64 output columns) at M <= 64; else
     128 rows, two warpgroups of 64 output columns side by side. Stages fill SMEM with one A
     and two B (gate, up) tiles each."""
     from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
 
-    if mm.decode_rows(m):
-        cfg = mm.decode_config(out_dtype, cta_n=64)
+    if mm.decode_rows(m, tiles):
+        cfg = mm.decode_config(out_dtype, cta_n=64, tiles=tiles)
     else:
         cfg = mm.MosaicConfig(tile_m=mm.BLOCK_M, tile_n=64, tile_k=mm.BLOCK_K,
                               max_concurrent_steps=0)  # fmt: skip
@@ -52,7 +53,8 @@ def swiglu_config(m: int, out_dtype):
     return dataclasses.replace(cfg, max_concurrent_steps=stages)
 
 
-def matmul_swiglu(h: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+def matmul_swiglu(h: jax.Array, w: jax.Array, out_dtype=None,
+                  tiles: DecodeTiles = DEFAULT_TILES) -> jax.Array:  # fmt: skip
     """silu(h @ w[:, :F]) * (h @ w[:, F:]) for w = [gate | up] [K, 2F]: [M, F] in out_dtype
     (default h's). Call only where `supported(K, 2F, dtype)`."""
     from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
@@ -61,7 +63,7 @@ def matmul_swiglu(h: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     if w.ndim != 2 or w.shape[0] != k or not supported(k, w.shape[1], w.dtype):
         raise ValueError(f"matmul_swiglu: unsupported h{h.shape} @ w{w.shape} ({w.dtype}) here")
     out_dtype = jnp.dtype(out_dtype or h.dtype)
-    cfg = swiglu_config(m, out_dtype)
+    cfg = swiglu_config(m, out_dtype, tiles)
     return mm._leaf_products(h.astype(w.dtype), w, out_dtype, 1, cfg, swiglu=True)[0, :m]
 
 

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import xla_fixed
 from pallas_kernels.combine import combine_tree  # noqa: F401 (re-exported: the leaves' order)
+from pallas_kernels.decode_tiles import DEFAULT_TILES, DecodeTiles
 
 # By module path: the package re-exports the *function* `matmul` under the same name.
 _mm = importlib.import_module("pallas_kernels.matmul")
@@ -104,7 +105,8 @@ def _tree_pallas(a, b, *, k_total: int, num_leaves: int, out_dtype):
     return _mm.tiled_pallas_call(kernel, a, b, cfg, out_dtype, "tbik_matmul")
 
 
-def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | None):
+def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | None,
+             tiles: DecodeTiles = DEFAULT_TILES):  # fmt: skip
     dtype = _mm._check_operands(a, b)
     resolved = _mm.resolve_backend(backend)
     if resolved == "xla":
@@ -122,15 +124,18 @@ def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | N
                 out_dtype,
                 k_total=k_total,
                 num_leaves=num_leaves,
+                tiles=tiles,
             )
     return _tree_pallas(a, b, k_total=k_total, num_leaves=num_leaves, out_dtype=out_dtype)
 
 
 def tree_matmul(
-    a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None, *, backend: str | None = None
-) -> jax.Array:
+    a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None, *, backend: str | None = None,
+    tiles: DecodeTiles = DEFAULT_TILES,
+) -> jax.Array:  # fmt: skip
     """TBIK a[M, K] @ b[K, N]: K tiles combined in the fixed tree of `tree_plan(K)`, f32 partials,
-    cast to out_dtype (default: the operands' dtype) at the end."""
+    cast to out_dtype (default: the operands' dtype) at the end. `tiles`: the Hopper kernel's
+    decode CTAs (pallas_kernels/decode_tiles.py, never the bits)."""
     dtype = _mm._check_operands(a, b)
     plan = tree_plan(a.shape[1], dtype)
     return _subtree(
@@ -140,11 +145,12 @@ def tree_matmul(
         num_leaves=plan.num_leaves,
         out_dtype=jnp.dtype(out_dtype or dtype),
         backend=backend,
+        tiles=tiles,
     )
 
 
 def tree_matmul_parts(
-    a: jax.Array, b: jax.Array, *, backend: str | None = None
+    a: jax.Array, b: jax.Array, *, backend: str | None = None, tiles: DecodeTiles = DEFAULT_TILES
 ) -> jax.Array | None:
     """f32 parts [G, M, N] with `combine_tree(list(parts)).astype(dtype) == tree_matmul(a, b)`
     bitwise, where the Mosaic (Hopper) kernel runs; None elsewhere (the caller then uses
@@ -157,7 +163,8 @@ def tree_matmul_parts(
     if not matmul_mosaic.supports(a.shape[1], b.shape[1], dtype, tree=True):
         return None
     plan = tree_plan(a.shape[1], dtype)
-    return tree_mosaic.tree_parts(a.astype(dtype), b.astype(dtype), num_leaves=plan.num_leaves)
+    return tree_mosaic.tree_parts(a.astype(dtype), b.astype(dtype), num_leaves=plan.num_leaves,
+                                  tiles=tiles)  # fmt: skip
 
 
 def tree_matmul_partial(

@@ -13,7 +13,7 @@ its ~33 MB of f32 weights):
   as uint16 the slice and the widening are one fusion.
 - the dots run in groups of n blocks of at most GROUP_BYTES of f32 weights (`blocked_products`),
   each group widened just before its dots read it, so it is read from the core's L2, not written
-  to and read back from memory (the LM head [256, 8192]: ~1.5 -> ~1.0 ms).
+  to and read back from memory (a third off the LM head's dots: BENCHMARKS.md).
 - a layer of a stacked [L, ...] weight is read in place (`at_layer`): jdet/model.py keeps such
   weights out of the layer scan's xs (whose per-iteration slice XLA CPU materialises, a copy of
   every layer's weights) and each group slices its own blocks out of the stack.

@@ -36,7 +36,7 @@ from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
-from jdet.plan import Plan, fuse_default, prepare_params, row_partial_kernel
+from jdet.plan import Plan, cpu_devices, fuse_default, prepare_params, row_partial_kernel
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import jit_step, logits_body, score_body, step_body
 from jdet.tp_layout import check_heads, kv_heads_in_cache
@@ -84,7 +84,7 @@ def shard_params(
     p = prepare_params(
         params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse, blocked=blocked
     )
-    if tp_size(mesh) > 1 and all(d.platform == "cpu" for d in mesh.devices.flat):
+    if tp_size(mesh) > 1 and cpu_devices(mesh.devices.flat):
         # Split on the host: placing a jax.Array on a split sharding compiles one slicing
         # program per weight shape and spec (JAX's `_multi_slice`: 22 compiles for TP 2/4/8 of
         # the tiny test model); from numpy the shards are host slices of the same bytes.
@@ -104,7 +104,7 @@ def init_tp_kv_cache(
     sharding = NamedSharding(mesh, P(None, TP_AXIS))
     shape = (cfg.num_layers, k, num_pages, page_size, cfg.head_dim)
     dt = storage_dtype(dtype)
-    if all(d.platform == "cpu" for d in mesh.devices.flat):
+    if cpu_devices(mesh.devices.flat):
         # Zeros made by numpy and placed: the jitted maker below compiles a program (~0.1 s CPU
         # of a cold `jdet generate`); the same zeros, the same placement.
         return {n: jax.device_put(np.zeros(shape, dt), sharding) for n in ("k", "v")}

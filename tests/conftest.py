@@ -48,12 +48,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # Test engines run the product's sampler variants (serving/engine/sampler_variants.py
-# `engine_variants`: GREEDY and FULL on a CPU, LEAN and FULL on a GPU). Until session 13 they were
-# held to FULL, as a warmed-up CPU engine then ran: FULL's sampler is ~0.8 s to compile on a CPU,
-# GREEDY's 0.03. The other sets and their bit equality with FULL have their own tests, which set
-# VARIANTS themselves (tests/serving/engine/test_sampler_variants.py, test_host_path.py; tests/jdet/
-# test_sampler_variants.py calls the sampler directly), and `jdet generate` sets its own set
-# (jdet/cli.py).
+# `engine_variants`: GREEDY and FULL on a CPU, LEAN and FULL on a GPU). The other sets and their
+# bit equality with FULL have their own tests, whose engines name their set
+# (EngineConfig.sampler_variants: tests/serving/engine/test_sampler_variants.py,
+# test_host_path.py; tests/jdet/test_sampler_variants.py calls the sampler directly), and
+# `jdet generate` runs "on-demand" (jdet/cli.py).
 
 TINY = dict(
     vocab_size=283,

@@ -8,6 +8,7 @@ graph with one import added against the direction must fail.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -117,3 +118,99 @@ def test_the_engines_collaborators_know_neither_it_nor_each_other():
     across = _graph()
     across.add_import(importer="serving.engine.model_runner", imported="serving.engine.scheduler")
     assert _serving_illegal(across, "engine-layers")
+
+
+# -- one place per decision: the kernel backend ---------------------------------------------------
+# Ways of asking "which platform is this" that belong to pallas_kernels/ and jdet/plan.py only:
+# everything else asks `jdet.plan.backend()` / `Plan.backend` (jdet/ops.py, which the plan
+# imports, asks `pallas_kernels.backend()`, the function the plan wraps).
+BACKEND_CHECK = re.compile(
+    r"jax\.default_backend\("
+    r"|\b_platform\.(platform|interpret_default|xla_fixed_default|is_hopper|resolve|"
+    r"pallas_interpret_forced|small_row_blocks)\b"
+    r"|\bresolve_backend\("
+    r"|\.platform\s*(==|!=|in\b|not\s+in\b)"
+    r"|\bSMALL_ROW_BLOCKS\b"
+)
+BACKEND_DECIDERS = ("pallas_kernels/", "jdet/plan.py")
+
+
+def _library_files() -> list[Path]:
+    return sorted(p for pkg in LIBRARY for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _backend_checks(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if BACKEND_CHECK.search(ln)]
+
+
+def test_the_backend_is_decided_in_the_plan_only():
+    found = {}
+    for path in _library_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(BACKEND_DECIDERS):
+            continue
+        if hits := _backend_checks(path.read_text()):
+            found[rel] = hits
+    assert not found, f"ask jdet.plan.backend() instead of probing the platform: {found}"
+
+
+def test_negative_control_the_backend_grep_sees_each_idiom():
+    for line in ('if jax.default_backend() == "cpu":', 'if _platform.platform() != "gpu":',
+                 "x = _platform.xla_fixed_default()", "if _platform.is_hopper():",
+                 'if _platform.resolve(None, "rms_norm") != "pallas":',
+                 'resolve_backend(None) == "mosaic"', 'all(d.platform == "cpu" for d in devs)',
+                 "if xla_fixed.SMALL_ROW_BLOCKS:"):  # fmt: skip
+        assert _backend_checks(line), line
+    assert not _backend_checks("if backend().cpu:")
+
+
+# -- the library's size and its comments -----------------------------------------------------------
+MAX_LINES = 400  # serving/ excepted: its layout is being split into subpackages
+
+
+def test_no_library_file_outside_serving_is_over_400_lines():
+    long = {p.relative_to(ROOT).as_posix(): n for p in _library_files()
+            if not p.relative_to(ROOT).as_posix().startswith("serving/")
+            and (n := len(p.read_text().splitlines())) > MAX_LINES}  # fmt: skip
+    assert not long, f"split these by what they hold: {long}"
+
+
+# History belongs to git and figures to BENCHMARKS.md: a comment cites no work period, issue,
+# benchmark run or date, and states no before -> after timing (docs/CONVENTIONS.md).
+HISTORY = re.compile(
+    r"\bsessions? \d|\bturn \d|\bissues? #?\d|#\d{2,}\b|\bseed 0\d\d\b|BENCHMARKS(\.md)? run \d"
+    r"|\b20\d\d-\d\d-\d\d\b|\d ?-> ?~?\d+(\.\d+)? ?(ms|us|µs|s|tok/s)\b",
+    re.IGNORECASE,
+)
+
+
+def _history(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if HISTORY.search(ln)]
+
+
+def test_library_comments_cite_no_history():
+    found = {}
+    for path in _library_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ("sharding/tree_allreduce.py", "jdet/step.py"):
+            continue  # being rewritten in another branch; their comments go with that change
+        if hits := _history(path.read_text()):
+            found[rel] = hits
+    assert not found, f"history in library comments (git and BENCHMARKS.md hold it): {found}"
+
+
+def test_negative_control_the_history_grep_sees_each_form():
+    for line in ("# until session 11 the bucket", "(issue 17)", "see #35", "seed 003's scheme",
+                 "(BENCHMARKS run 13)", "measured 2026-11-02", "step 9.58 -> 8.76 ms",
+                 "load 5-7: 99 -> 140 tok/s"):  # fmt: skip
+        assert _history(line), line
+    assert not _history("a 2-row dot for 1-2 rows; 64 -> 128 columns")
+
+
+def test_negative_control_a_test_importing_benchmarks_breaks_tests_standalone():
+    """The `tests-standalone` contract (tests import nothing from benchmarks) sees such an
+    import: tests build what they need from the library or from tests/ itself."""
+    graph = grimp.build_graph("tests", "benchmarks", cache_dir=None)
+    assert not graph.find_shortest_chain(importer="tests", imported="benchmarks", as_packages=True)
+    graph.add_import(importer="tests.jdet.test_golden", imported="benchmarks.decode_bench")
+    assert graph.find_shortest_chain(importer="tests", imported="benchmarks", as_packages=True)

@@ -33,9 +33,9 @@ from jax import lax
 
 from jdet import exec_cache
 from jdet.ops import Ops
+from jdet.plan import backend
 from jdet.sampling import sample, token_logprobs
 from jdet.step import SamplingInputs, jit_step, logits_body, xla_options
-from pallas_kernels import _platform
 from sharding.tp import tp_logits_body
 
 PACKED_BATCH = ("positions", "slot_mapping", "query_start", "context_lens", "page_table",
@@ -246,7 +246,7 @@ def split_step_here() -> bool:
     """Whether an engine's own step runs as `SplitStep`: on a CPU backend. A GPU keeps one
     program: its sampler compiles once per shape at warm-up anyway, and a second launch per
     step would cost host and device time."""
-    return _platform.platform() == "cpu"
+    return backend().cpu
 
 
 @functools.cache

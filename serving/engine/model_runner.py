@@ -127,7 +127,7 @@ class ModelRunner:
         self.ahead_cache: tuple | None = None  # (key, rows) of the last decode plan
         # the sampler variants steps may run (sampler_variants.py `engine_variants`); warm-up
         # compiles exactly these
-        self.variants = sampler_variants.engine_variants()
+        self.variants = sampler_variants.engine_variants(config.sampler_variants)
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/engine/host_inputs.py says why)

@@ -20,7 +20,7 @@ A third, "greedy" (`GREEDY`: no draw, no logits transforms either: SamplingInput
 logits None), is the smallest step; it serves steps whose rows are all greedy without
 penalties, bias, masks or min-p. A CPU engine runs it beside FULL (`engine_variants` says why);
 `jdet generate` compiles the variants it meets, one at a time (`ON_DEMAND`: its first step
-compiles in ~1/4 less time than the lean one on a CPU).
+compiles faster than the lean one on a CPU).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import dataclasses
 
 import numpy as np
 
+from jdet.plan import backend
 from jdet.sampling import NUM_TOP
-from pallas_kernels import _platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,29 +74,30 @@ GREEDY = Variant(False, 0, draw=False, transforms=False)
 # first: a greedy prompt compiles GREEDY alone, a sampled one LEAN or FULL, never more than it
 # meets.
 ON_DEMAND = (GREEDY, LEAN, FULL)
-# The variants the engine runs, cheapest first, FULL last (it covers any step); None: by platform
-# (`engine_variants`). Tests set it to run both variants on a CPU; `jdet generate` to ON_DEMAND.
-VARIANTS: tuple[Variant, ...] | None = None
-
-
 CPU_VARIANTS = (GREEDY, FULL)
+# The sets an engine may run (EngineConfig.sampler_variants), cheapest first, FULL last (it
+# covers any step); "auto": by platform (`engine_variants`).
+SETS = {"on-demand": ON_DEMAND, "lean-full": (LEAN, FULL), "greedy-full": CPU_VARIANTS,
+        "full": (FULL,)}  # fmt: skip
 
 
-def engine_variants() -> tuple[Variant, ...]:
-    """`VARIANTS`, or by platform: (LEAN, FULL) on an accelerator, `CPU_VARIANTS` (GREEDY, FULL)
-    on a CPU, warmed up or compiling as it goes (`jdet generate` sets its own, `ON_DEMAND`).
+def engine_variants(choice: str = "auto") -> tuple[Variant, ...]:
+    """The set `choice` names (`SETS`; EngineConfig.sampler_variants), or for "auto" by
+    platform: (LEAN, FULL) on an accelerator, `CPU_VARIANTS` (GREEDY, FULL) on a CPU, warmed up
+    or compiling as it goes (`jdet generate` runs "on-demand").
 
     Why GREEDY and FULL on a CPU: there the sampler is an executable of its own per (rows,
     vocabulary, variant) (serving/engine/host_inputs.py `SplitStep`), so a variant costs its
-    sampler's compile per row bucket, not a step per shape. GREEDY's is 0.03 s (V = 8192, N = 8;
-    FULL 0.80 s, LEAN 0.48: benchmarks/sampler_compile.py) and it runs every step whose rows are all
-    greedy without transforms, the common case: 0.021 vs 0.064 ms at N = 1, 0.12 vs 0.32 ms at N = 8
-    (2-core box). LEAN would add its compile for ~0.03 ms a step (0.161 -> 0.134 ms at batch 1). On
-    a GPU the step is one program: there LEAN saves the filter's sort, ~0.085 ms a step, for one
-    step compile per shape."""
-    if VARIANTS is not None:
-        return VARIANTS
-    if _platform.platform() == "cpu":
+    sampler's compile per row bucket, not a step per shape. GREEDY's is a small fraction of
+    FULL's and LEAN's (benchmarks/sampler_compile.py) and it runs every step whose rows are all
+    greedy without transforms, the common case, at a third of FULL's time; LEAN would add its
+    compile for little a step. On a GPU the step is one program: there LEAN saves the filter's
+    sort every step, for one step compile per shape."""
+    if choice != "auto":
+        if choice not in SETS:
+            raise ValueError(f"sampler_variants={choice!r}: use 'auto' or one of {list(SETS)}")
+        return SETS[choice]
+    if backend().cpu:
         return CPU_VARIANTS
     return (LEAN, FULL)
 

@@ -34,9 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
-from pallas_kernels import _platform, xla_fixed
+from jdet.plan import backend
 from serving.engine.page_manager import cdiv
 
 PAGES_BUCKET_FACTOR = 4  # ratio of consecutive Pmax buckets
@@ -121,7 +119,7 @@ def default_min_tokens_bucket() -> int:
     to 16 tokens computed a second, empty block of every product, attention group and sampled
     row (measured: 16 -> 8 took the embedded model's "tp" decode step from ~14 to ~10 ms of CPU
     time). On a GPU a 16-row tile is the kernels' smallest step anyway."""
-    return 8 if jax.default_backend() == "cpu" else 16
+    return 8 if backend().cpu else 16
 
 
 def single_token_bucket() -> bool:
@@ -131,9 +129,7 @@ def single_token_bucket() -> bool:
     Measured on the 2-core CI machine (load 5.5-6): the embedded model's batch-1 "tp" decode
     167-171 -> 234-259 tok/s, 5.8 -> 3.8 CPU ms a token. One shape more per Pmax bucket to
     compile; batch 2-8 decodes stay at T = 8; `jdet generate` pins its one shape (jdet/cli.py)."""
-    if jax.default_backend() != "cpu":
-        return False
-    return bool(xla_fixed.SMALL_ROW_BLOCKS) and _platform.xla_fixed_default()
+    return backend().small_row_blocks
 
 
 CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from jdet import exec_cache
 from jdet.batch import StepBatch
+from jdet.plan import backend
 from jdet.step import SamplingInputs
 from serving.engine import sampler_variants
 
@@ -62,7 +63,7 @@ def warmup_workers() -> int:
     that gain nothing: an 8B step traces in ~2 s and compiles in ~3-5 s, and 4 shapes took 15 s
     in 4 threads against 25 s one after another on an H200 host); on a CPU one, since the
     compiles would take the cores the tests and the host's own work need."""
-    if jax.default_backend() == "cpu":
+    if backend().cpu:
         return 1
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -76,9 +77,8 @@ def warmup(
     run in `warmup_workers()` threads, the runs one after another (they share the device and
     the donated cache). Shows a tqdm bar naming shape k of n and the seconds its compile took.
     Returns the seconds."""
-    if kind == "step":  # from now on the steps run only the variants compiled here
-        runner.variants = sampler_variants.engine_variants()  # the set now (tests may set it)
-        runner.ahead_cache = None  # rows prepared with a variant of an earlier set
+    if kind == "step":  # rows prepared before warm-up may name a variant it compiles afresh
+        runner.ahead_cache = None
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
     fn = runner.score_step() if kind == "score" else runner.step_fn

@@ -1,4 +1,4 @@
-"""Speculative decoding's rejection mode (verify="rejection", seed 001): the verify step.
+"""Speculative decoding's rejection mode (verify="rejection"): the verify step.
 
 `rejection_sample` accepts draft d with probability min(1, p(d)/q(d)), else draws from
 norm(max(0, p - q)); p is the target's processed distribution (`target_probs`: temperature,

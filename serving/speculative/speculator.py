@@ -41,15 +41,15 @@ Not drafted (decoded one token at a time, as without speculation): requests with
 transforms or structured output (`needs_logits_inputs`: their per-row inputs depend on the
 tokens before the row, which the draft has not confirmed yet).
 
-Rejection mode (seed 001, `verify="rejection"`, serving/speculative/rejection.py
-`rejection_sample`): accept draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p
-- q)), randomness keyed by (seed, position) on streams of its own. It preserves the target's
-distribution, not its bits (an accepted draft is the draft's draw), so it alone changes the system
-fingerprint. For n-gram drafts q is one-hot: the rule accepts with probability p(d), exactly exact
-mode's acceptance, which also keeps the bits (docs/speculative.md). Its bits do not depend on the
-load: a verify's draft count is the request's own (never cut by the scheduler), a recompute drafts
-where the unpreempted sequence did, and drafting starts at the first output token (`may_draft`; why,
-in docs/speculative.md).
+Rejection mode (`verify="rejection"`, serving/speculative/rejection.py `rejection_sample`):
+accept draft d with probability min(1, p(d)/q(d)), else draw from norm(max(0, p - q)), randomness
+keyed by (seed, position) on streams of its own. It preserves the target's distribution, not its
+bits (an accepted draft is the draft's draw), so it alone changes the system fingerprint. For
+n-gram drafts q is one-hot: the rule accepts with probability p(d), exactly exact mode's
+acceptance, which also keeps the bits (docs/speculative.md). Its bits do not depend on the load: a
+verify's draft count is the request's own (never cut by the scheduler), a recompute drafts where
+the unpreempted sequence did, and drafting starts at the first output token (`may_draft`; why, in
+docs/speculative.md).
 """
 
 from __future__ import annotations

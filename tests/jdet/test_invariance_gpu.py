@@ -84,7 +84,7 @@ def _decode_inputs(cfg, batch: int, ctx: int, pmax: int, pad_tokens: int, page: 
 
 
 def test_gpu_unrolled_layers_equal_the_layer_loop(model):
-    """jdet.model.LAYER_UNROLL_GPU: the layers as L inlined calls of one jitted layer instead of
+    """Ops.unroll_layers_gpu: the layers as L inlined calls of one jitted layer instead of
     XLA's loop run the same kernels on the same operands: tokens, log-probs and every K/V row of
     a decode step (3 sequences, 5 padding rows) are equal. Control: the loop's step on weights
     that differ in one row of the last layer's q|k|v projection (one bf16 step) writes other K/V
@@ -92,7 +92,6 @@ def test_gpu_unrolled_layers_equal_the_layer_loop(model):
     import jax
     import jax.numpy as jnp
 
-    import jdet.model as jm
     from serving.engine.engine import Engine
     from sharding.mesh import make_tp_mesh
     from sharding.tp import make_tp_step
@@ -104,14 +103,9 @@ def test_gpu_unrolled_layers_equal_the_layer_loop(model):
     kv0 = jax.tree.map(np.asarray, r.kv)
 
     def run(params, unroll):
-        was = jm.LAYER_UNROLL_GPU
-        jm.LAYER_UNROLL_GPU = unroll
-        try:
-            fn = make_tp_step.__wrapped__(model.cfg, "tp", make_tp_mesh(1))
-            kv = jax.device_put(kv0, jax.tree.map(lambda a: a.sharding, r.kv))
-            kv, out = fn(params, kv, jax.device_put(sb), jax.device_put(si))
-        finally:
-            jm.LAYER_UNROLL_GPU = was
+        fn = make_tp_step(model.cfg, "tp", make_tp_mesh(1), unroll_layers_gpu=unroll)
+        kv = jax.device_put(kv0, jax.tree.map(lambda a: a.sharding, r.kv))
+        kv, out = fn(params, kv, jax.device_put(sb), jax.device_put(si))
         return [np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(kv["k"]),
                 np.asarray(kv["v"])]  # fmt: skip
 

@@ -1,26 +1,25 @@
-"""The paged attention's speed knobs (issue 11) keep the bits of the default.
+"""The paged attention's load and launch settings (`AttentionConfig`) keep the bits of the default.
 
-Knobs: module-level ints read when the kernels are traced, flipped per compile by
-`benchmarks/decode_bench.py --variants` (pallas_kernels/paged_attention_kernels.py KV_GATHER_2D,
-PAGES_AHEAD, STATIC_BLOCKS; paged_attention_pallas.py SPLIT_STAGES).
-None changes a summed value or a summation order of the reduction plan; the defaults (the first
-three on, 3 stages) were made so without a fingerprint change, which holds only while the
-knobs-off kernel of before (`old_kernel`) gives the same bits.
+Settings: pallas_kernels/paged_attention_kernels.py `AttentionConfig` (kv_gather_2d, pages_ahead,
+static_blocks, split_stages, ...), passed to `paged_attention` as `config` (jdet: `Ops.attn_config`;
+`benchmarks/decode_bench.py --variants` builds others). None changes a summed value or a
+summation order of the reduction plan; the defaults (the three load paths on, 3 stages) were made
+so without a fingerprint change, which holds only while the all-off kernel of before
+(`old_kernel`) gives the same bits.
 
 CPU (interpret mode, conftest): the new load paths (2-D gathers, page indices ahead, a static
-block loop with masked past-the-end blocks) and the knobs-off
+block loop with masked past-the-end blocks) and the all-off
 loads, in the split and looped layouts and on a stacked cache, equal the default bitwise on a
 ragged batch whose last partitions are partial; controls (wrong slots, wrong pages, NaN
 past-the-end fill) show the comparison sees those paths. The
-knobs also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
-`gpu`: each knob compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
+settings also pass the Pallas Triton lowering at the Llama-3-8B decode shape (exported for 'cuda').
+`gpu`: each setting compiled, at the 8B decode shape (batch 1 at 1k context, the model's direct
 output, and a ragged batch of 4) and at a 512-token prefill chunk (split and looped), against
 the default; control: another block_kv (a different plan) changes the bits at the same inputs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -29,49 +28,27 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention_kernels as kern
-from pallas_kernels import paged_attention_pallas as launch
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import AttentionConfig, paged_attention
 from tests.pallas_kernels.test_paged_attention import assert_bits_equal, build_batch, make_world
 from tests.pallas_kernels.triton_export import triton_calls_at_8b_decode
 
-_MODULES = {"kern": kern, "launch": launch}
-
-# The defaults (KV_GATHER_2D, PAGES_AHEAD, STATIC_BLOCKS on, SPLIT_STAGES 3) against these:
-# the knobs-off loads and each path alone (checked on the CPU too) ...
-OFF = {"kern.KV_GATHER_2D": 0, "kern.PAGES_AHEAD": 0, "kern.STATIC_BLOCKS": 0}
-LOAD_KNOBS = {
+# The defaults (the three load paths on, 3 split stages) against these: the all-off loads and
+# each path alone (checked on the CPU too) ...
+OFF = AttentionConfig(kv_gather_2d=False, pages_ahead=False, static_blocks=False)
+LOAD_CONFIGS = {
     "off": OFF,
-    "gather2d_only": {**OFF, "kern.KV_GATHER_2D": 1},
-    "ahead_static_only": {**OFF, "kern.PAGES_AHEAD": 1, "kern.STATIC_BLOCKS": 1},
+    "gather2d_only": AttentionConfig(kv_gather_2d=True, pages_ahead=False, static_blocks=False),
+    "ahead_static_only": AttentionConfig(kv_gather_2d=False, pages_ahead=True, static_blocks=True),
 }
 # ... and the launch parameters (interpret mode ignores them: GPU only). old_kernel: the kernel
-# before issue 11's session 9 (loads off, 2 stages), whose bits the defaults must keep.
-LAUNCH_KNOBS = {
-    "old_kernel": {**OFF, "launch.SPLIT_STAGES": 2},
-    "stages2": {"launch.SPLIT_STAGES": 2},
-    "stages4": {"launch.SPLIT_STAGES": 4},
+# before the load paths (all off, 2 stages), whose bits the defaults must keep.
+LAUNCH_CONFIGS = {
+    "old_kernel": AttentionConfig(kv_gather_2d=False, pages_ahead=False, static_blocks=False,
+                                  split_stages=2),
+    "stages2": AttentionConfig(split_stages=2),
+    "stages4": AttentionConfig(split_stages=4),
 }
-
-
-@contextlib.contextmanager
-def knobs(setting: dict):
-    """Set module knobs ('kern.NAME' / 'launch.NAME') for the traces inside, then restore; JAX's
-    caches are cleared around them (a jitted kernel would otherwise keep its old trace)."""
-    saved = []
-    for key, val in setting.items():
-        mod, name = key.split(".")
-        m = _MODULES[mod]
-        if not hasattr(m, name):
-            raise ValueError(f"unknown knob {key!r}")
-        saved.append((m, name, getattr(m, name)))
-        setattr(m, name, val)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        for m, name, val in saved:
-            setattr(m, name, val)
-        jax.clear_caches()
+DEFAULT = AttentionConfig()
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +64,8 @@ def _world():
     return make_world(7, [40, 13], kh=1, h=4, e=128, dtype=jnp.bfloat16)
 
 
-def _run(w, args, structure: str, layer: bool = False) -> np.ndarray:
+def _run(w, args, structure: str, layer: bool = False,
+         config: AttentionConfig = DEFAULT) -> np.ndarray:  # fmt: skip
     q, k, v, *rest = args
     kw = {}
     if layer:  # the stacked cache [L, K, P, B, E], read at layer 1 in place (other layer: junk)
@@ -95,13 +73,14 @@ def _run(w, args, structure: str, layer: bool = False) -> np.ndarray:
         k, v = jnp.stack([junk, k]), jnp.stack([junk, v])
         kw["layer"] = jnp.int32(1)
     out = paged_attention(q, k, v, *rest, scale=w.e**-0.5, partition_size=w.part,
-                          block_kv=w.block_kv, structure=structure, **kw)  # fmt: skip
+                          block_kv=w.block_kv, structure=structure, config=config,
+                          **kw)  # fmt: skip
     return np.asarray(out.astype(jnp.float32))
 
 
 @functools.cache
 def _default(structure: str, layer: bool = False):
-    """(world, args, the default knobs' output): computed once per layout for the module."""
+    """(world, args, the default setting's output): computed once per layout for the module."""
     w = _world()
     args, _ = build_batch(w, _ENTRIES, t_pad=24, s_pad=3)
     return w, args, _run(w, args, structure, layer)
@@ -111,32 +90,31 @@ def _default(structure: str, layer: bool = False):
 # together, every other path once (each interpret-mode compile costs ~5 CPU s): the old loads
 # (off); the 2-D gather with per-token page loads (gather2d_only); page indices ahead and a
 # static loop with [pages, slot, E] loads (ahead_static_only).
-@pytest.mark.parametrize("name", list(LOAD_KNOBS))
-def test_load_knobs_keep_the_split_layouts_bits(name):
+@pytest.mark.parametrize("name", list(LOAD_CONFIGS))
+def test_load_paths_keep_the_split_layouts_bits(name):
     w, args, want = _default("split")
     assert want[:20].any() and not want[20:].any()  # padding tokens: zeros
-    with knobs(LOAD_KNOBS[name]):
-        assert_bits_equal(_run(w, args, "split"), want, name)
+    assert_bits_equal(_run(w, args, "split", config=LOAD_CONFIGS[name]), want, name)
 
 
-def test_all_load_knobs_keep_the_looped_layouts_bits_on_a_stacked_cache():
+def test_all_off_loads_keep_the_looped_layouts_bits_on_a_stacked_cache():
     """The looped layout (prefill) reading the stacked cache's page pool (_PagePool's 2-D and
-    masked loads, the default) = the knobs-off loads."""
+    masked loads, the default) = the all-off loads."""
     w, args, want = _default("looped", True)
-    with knobs(LOAD_KNOBS["off"]):
-        assert_bits_equal(_run(w, args, "looped", True), want, "looped, stacked")
+    got = _run(w, args, "looped", True, config=LOAD_CONFIGS["off"])
+    assert_bits_equal(got, want, "looped, stacked")
 
 
 @pytest.mark.parametrize(
     "setting, patch",
     [
-        # (the knobs a control runs with: the defaults, or as named)
+        # (the config a control runs with: the defaults, or as named)
         # 2-D gather reading each token's neighbouring slot
-        ({}, ("_token_slots", lambda bk, ps: (jnp.arange(bk)[:, None] + 1) % ps)),
+        (DEFAULT, ("_token_slots", lambda bk, ps: (jnp.arange(bk)[:, None] + 1) % ps)),
         # pages picked ahead for the next block (the last block wraps to the first)
-        ({"kern.KV_GATHER_2D": 0}, ("_block_page_index", None)),
+        (AttentionConfig(kv_gather_2d=False), ("_block_page_index", None)),
         # blocks past the tile's end read NaN instead of zeros: they run, and count
-        ({}, ("_PAST_END_FILL", float("nan"))),
+        (DEFAULT, ("_PAST_END_FILL", float("nan"))),
     ],
 )
 def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch):
@@ -150,28 +128,32 @@ def test_control_a_wrong_load_path_changes_the_bits(monkeypatch, setting, patch)
             return jnp.roll(idx, -1, axis=0)
 
     monkeypatch.setattr(kern, attr, new)
-    with knobs(setting):
-        got = _run(w, args, "split")
+    jax.clear_caches()  # the patched kernel is traced afresh (jit keys by its static arguments)
+    try:
+        got = _run(w, args, "split", config=setting)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
     assert not np.array_equal(got, want), attr
 
 
-def test_knobs_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
-    """Every load knob and the launch knobs pass the Pallas Triton lowering (split + merge at
+def test_load_paths_lower_to_triton_at_the_8b_decode_shape(monkeypatch):
+    """Every load path and the launch settings pass the Pallas Triton lowering (split + merge at
     the Llama-3-8B decode shape, stacked cache; exported for 'cuda' on the CPU, ptxas not run)."""
+    for setting in (DEFAULT, LOAD_CONFIGS["off"], LOAD_CONFIGS["ahead_static_only"]):
 
-    def attend(q, kc, vc, pt, cl, qs, pos, layer, meta):
-        return paged_attention(q, kc, vc, pt, cl, qs, pos, scale=0.1, partition_size=256,
-                               layer=layer, meta=meta, out_rows=64, structure="split",
-                               direct_out=True, backend="pallas")  # fmt: skip
+        def attend(q, kc, vc, pt, cl, qs, pos, layer, meta, setting=setting):
+            return paged_attention(q, kc, vc, pt, cl, qs, pos, scale=0.1, partition_size=256,
+                                   layer=layer, meta=meta, out_rows=64, structure="split",
+                                   direct_out=True, backend="pallas",
+                                   config=setting)  # fmt: skip
 
-    for setting in ({}, LOAD_KNOBS["off"], LOAD_KNOBS["ahead_static_only"]):
-        with knobs(setting):
-            calls = triton_calls_at_8b_decode(monkeypatch, attend)
+        calls = triton_calls_at_8b_decode(monkeypatch, attend)
         assert len(calls) == 2, setting
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: each knob compiled, at realistic shapes
+# GPU: each setting compiled, at realistic shapes
 
 
 def _gpu_case(case: str):
@@ -223,12 +205,10 @@ def _gpu_default(case: str) -> np.ndarray:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES)
-@pytest.mark.parametrize("name", [*LOAD_KNOBS, *LAUNCH_KNOBS])
-def test_gpu_knob_keeps_the_default_bits(case, name):
+@pytest.mark.parametrize("name", [*LOAD_CONFIGS, *LAUNCH_CONFIGS])
+def test_gpu_setting_keeps_the_default_bits(case, name):
     want = _gpu_default(case)
-    setting = {**LOAD_KNOBS, **LAUNCH_KNOBS}[name]
-    with knobs(setting):
-        got = _gpu_case(case)()
+    got = _gpu_case(case)(config={**LOAD_CONFIGS, **LAUNCH_CONFIGS}[name])
     assert np.array_equal(got, want), f"{name} changes the bits at {case}"
 
 

@@ -114,24 +114,21 @@ def test_gpu_matmul_row_bits_do_not_depend_on_batch_size(backend, k, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cta_n,tile_k", [(64, 64), (64, 128), (128, 128), (128, 64)])
-def test_gpu_decode_cta_width_and_k_step_keep_the_bits(monkeypatch, cta_n, tile_k):
+def test_gpu_decode_cta_width_and_k_step_keep_the_bits(cta_n, tile_k):
     """The decode CTA (64 rows) holds one or two 64 x 64 warpgroup accumulators side by side
-    (matmul_mosaic.DECODE_CTA_N) and takes DECODE_TILE_K columns of K per pipeline step: each
+    (`DecodeTiles.cta_n`) and takes `DecodeTiles.tile_k` columns of K per pipeline step: each
     only moves work between CTAs or groups the same sequence of K=16 wgmma instructions into
     fewer pipeline steps, never changes an element's chain of MMAs. Checked for BIO and the tree
     at the Llama-3-8B decode shapes against the 128-row plan (M = 256)."""
-    from pallas_kernels import matmul_mosaic
+    from pallas_kernels.decode_tiles import DecodeTiles
     from pallas_kernels.tree_matmul import tree_matmul
 
-    monkeypatch.setattr(matmul_mosaic, "DECODE_CTA_N", cta_n)
-    monkeypatch.setattr(matmul_mosaic, "DECODE_TILE_K", tile_k)
-    jax.clear_caches()  # the tree's CTA plan is read at trace time
+    tiles = DecodeTiles(cta_n=cta_n, tile_k=tile_k)
     for f, k, n in ((matmul, 4096, 6144), (matmul, 4096, 28672), (tree_matmul, 4096, 4096),
                     (tree_matmul, 14336, 4096)):  # fmt: skip
         a, b = _rand(21, (256, k), jnp.bfloat16), _rand(22, (k, n), jnp.bfloat16)
         full = np.asarray(f(a, b).astype(jnp.float32))
         for m in (1, 7, 64):
-            part = np.asarray(f(a[:m], b).astype(jnp.float32))
+            part = np.asarray(f(a[:m], b, tiles=tiles).astype(jnp.float32))
             where = f"{f.__name__} K={k} N={n} M={m} {cta_n}x{tile_k}"
             assert np.array_equal(part, full[:m]), where
-    jax.clear_caches()

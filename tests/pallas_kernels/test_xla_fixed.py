@@ -225,8 +225,8 @@ def test_xla_attention_matches_f32_reference_on_a_mixed_batch(name):
 def test_xla_attention_rows_do_not_depend_on_chunking_decode_or_batch(dtype):
     w = make_world(2, [75, 30, 9], kh=2, h=8, e=64, dtype=dtype)
     whole = run_chunked(w, 0, 75, 75)
-    # chunks 1 and 7 and the decodes are steps of one token group (T <= xla_fixed.TB), whose real
-    # tokens attend one at a time; 16, 64 and the whole run groups of TB tokens: both paths
+    # chunks 1 and 7 and the decodes are steps of one token group (T <= xla_attention.TB), whose
+    # real tokens attend one at a time; 16, 64 and the whole run groups of TB tokens: both paths
     for chunk in (1, 7, 16, 64):
         assert_bits_equal(run_chunked(w, 0, 75, chunk), whole, f"chunk={chunk}")
     for p in (60, 74):  # decode beside another sequence, page table wider than needed
@@ -277,9 +277,7 @@ def test_cpu_dispatch_defaults_to_xla_and_the_env_var_restores_interpret_mode(mo
     if _platform.platform() != "cpu":
         pytest.skip("backend dispatch on a CPU")
     monkeypatch.delenv(_platform.INTERPRET_ENV, raising=False)
-    from pallas_kernels import xla_fixed
-
-    name = "xla-fixed-cpu" if xla_fixed.SMALL_ROW_BLOCKS else "xla-fixed-cpu/8-row"
+    name = "xla-fixed-cpu" if _platform.small_row_blocks() else "xla-fixed-cpu/8-row"
     assert _platform.resolve(None, "k") == "xla" and kernel_backend() == name
     a, b = _rand(12, (5, 64), jnp.float32), _rand(13, (64, 40), jnp.float32)
     assert np.array_equal(np.asarray(matmul(a, b)), np.asarray(matmul(a, b, backend="xla")))

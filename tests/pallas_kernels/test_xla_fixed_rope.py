@@ -18,7 +18,7 @@ import pytest
 
 from jdet.ops import apply_rope
 from jdet.step import CPU_XLA_OPTIONS
-from pallas_kernels import xla_fixed
+from pallas_kernels import xla_attention, xla_fixed
 from tests.pallas_kernels import variants
 
 pytestmark = pytest.mark.skipif(
@@ -80,8 +80,8 @@ def _attention_rows(rope, q, k, v, pos, cos, sin, t: int) -> np.ndarray:
 
     def f(q, k, v, pt, cl, qs, pos, cos, sin):
         q = rope(q, cos, sin)
-        return xla_fixed.paged_attention(q, k, v, pt, cl, qs, pos, scale=E**-0.5, block_kv=64,
-                                         layer=jnp.int32(0))  # fmt: skip
+        return xla_attention.paged_attention(q, k, v, pt, cl, qs, pos, scale=E**-0.5,
+                                             block_kv=64, layer=jnp.int32(0))  # fmt: skip
 
     ctx = int(pos[0]) + 1
     out = jax.jit(f, compiler_options=CPU_XLA_OPTIONS)(

@@ -52,7 +52,7 @@ def test_small_row_blocks_give_each_row_the_8_row_blocks_bits(dtype, k, n, num_l
     a = _rand(0, (8, k), dtype)
     b = _rand(1, (k, n), dtype, k**-0.5)
     leaf_k = k // num_leaves
-    small = [2, 2, 4, 4, 8, 8] if xla_fixed.SMALL_ROW_BLOCKS else [8] * 6
+    small = [2, 2, 4, 4, 8, 8] if _platform.small_row_blocks() else [8] * 6
     assert [xla_fixed.row_block(m) for m in (1, 2, 3, 4, 5, 8)] == small
     assert _rows_changed(a, jnp.asarray(b), leaf_k, num_leaves) == []
     if dtype == jnp.bfloat16:  # the engine's weights: bf16 bits held for f32 dots, blocked
@@ -76,20 +76,20 @@ def test_negative_control_one_row_blocks_change_a_row_at_a_wide_k(monkeypatch):
 def test_small_row_blocks_are_on_only_where_measured(monkeypatch):
     """The gate: a listed jaxlib on x86-64 with AVX2 and without AVX-512, else off;
     JDET_SMALL_ROW_BLOCKS forces either way. This machine's setting is the gate's answer."""
-    verified = xla_fixed.small_row_blocks_verified
+    verified = _platform.small_row_blocks_verified
     avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
     assert verified("0.10.2", "x86_64", avx2)
     assert not verified("0.11.2", "x86_64", avx2)  # measured: other rows (module docstring)
     assert not verified("0.10.2", "x86_64", avx2 | {"avx512f"})
     assert not verified("0.10.2", "aarch64", frozenset())
     assert not verified("0.10.2", "x86_64", frozenset())  # flags unknown (no /proc/cpuinfo)
-    monkeypatch.delenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, raising=False)
-    here = xla_fixed.small_row_blocks_verified_here()
+    monkeypatch.delenv(_platform.SMALL_ROW_BLOCKS_ENV, raising=False)
+    here = _platform.small_row_blocks_verified_here()
     assert here == verified(jaxlib.__version__, platform.machine(), _platform.host_cpu_flags())
-    assert xla_fixed._small_row_blocks_default() == int(here)
-    for value, want in (("1", 1), ("0", 0), ("true", 1)):
-        monkeypatch.setenv(xla_fixed.SMALL_ROW_BLOCKS_ENV, value)
-        assert xla_fixed._small_row_blocks_default() == want
+    assert _platform.small_row_blocks() == here
+    for value, want in (("1", True), ("0", False), ("true", True)):
+        monkeypatch.setenv(_platform.SMALL_ROW_BLOCKS_ENV, value)
+        assert _platform.small_row_blocks() == want
 
 
 def test_without_small_row_blocks_every_product_runs_8_row_dots(monkeypatch):
@@ -98,7 +98,7 @@ def test_without_small_row_blocks_every_product_runs_8_row_dots(monkeypatch):
     dot gave another row)."""
     a, b = _rand(4, (8, 4096), jnp.float32), jnp.asarray(_rand(5, (4096, 384), jnp.float32))
     xla_fixed.tree_subtree.clear_cache()
-    monkeypatch.setattr(xla_fixed, "SMALL_ROW_BLOCKS", 0)
+    monkeypatch.setenv(_platform.SMALL_ROW_BLOCKS_ENV, "0")
     try:
         assert [xla_fixed.row_block(m) for m in (1, 2, 4, 8)] == [8, 8, 8, 8]
         assert _rows_changed(a, b, 4096, 1) == []

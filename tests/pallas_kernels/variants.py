@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import xla_fixed
+from pallas_kernels import _platform, xla_fixed
 
 
 def split_k_by_m(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -59,7 +59,7 @@ def contraction_by_shape_measured() -> bool:
     did not contract those programs (session 16), so elsewhere the controls assert
     `contracted_*` below, which contract by construction. The same XLA and CPU as the small
     row blocks were measured on."""
-    return xla_fixed.small_row_blocks_verified_here()
+    return _platform.small_row_blocks_verified_here()
 
 
 def _split12(x: jax.Array) -> tuple[jax.Array, jax.Array]:

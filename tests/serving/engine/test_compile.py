@@ -21,6 +21,7 @@ import pytest
 
 import jdet
 from jdet import compile_cache
+from jdet.plan import backend
 from serving.engine import sampler_variants
 from serving.engine.host_inputs import split_step_here
 
@@ -259,10 +260,8 @@ def test_shape_set_is_bounded_and_covers_every_step():
     # the default smallest bucket: the CPU kernels' 8-row dot block on a CPU, with a 1-token
     # bucket below it (batch-1 decode: serving/engine/shapes.py single_token_bucket), 16 elsewhere
     # (no 1-token bucket where the small row blocks are not verified: pallas_kernels/xla_fixed.py)
-    from pallas_kernels import xla_fixed
-
     cpu = jax.default_backend() == "cpu"
-    single = cpu and xla_fixed.SMALL_ROW_BLOCKS
+    single = backend().small_row_blocks
     d = ShapeSet.build(max_num_batched_tokens=512, max_num_seqs=256, max_pages=512)
     assert d.tokens == ((1,) if single else ()) + ((8,) if cpu else ()) + (16, 32, 64, 128, 256,
                                                                           512)  # fmt: skip

@@ -42,10 +42,9 @@ def test_placed_tokens_are_device_puts_and_share_one_executable(serving_model):
 def test_ahead_sampling_rows_are_rebuilt_for_another_plan(serving_model, monkeypatch):
     """The rows prepare_ahead keeps belong to one plan; another plan (other sequences or order)
     gets its own, each row that of its sequence."""
-    from serving.engine import sampler_variants, step_inputs
+    from serving.engine import step_inputs
 
-    monkeypatch.setattr(sampler_variants, "VARIANTS", (LEAN, FULL))  # a GPU's set, on a CPU too
-    eng = Engine(serving_model, **SETTINGS)
+    eng = Engine(serving_model, **SETTINGS, sampler_variants="lean-full")  # a GPU's set, anywhere
     params = [dict(temperature=0.5, top_k=3, top_p=0.9, seed=7),
               dict(temperature=0.0), dict(temperature=1.3, top_p=0.5, seed=2)]  # fmt: skip
     for i, p in enumerate(params):

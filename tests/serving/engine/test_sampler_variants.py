@@ -74,19 +74,11 @@ def same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def both_variants():
+@pytest.fixture(scope="module")
+def engine(serving_model) -> Engine:
     """An engine runs `engine_variants()` (GREEDY and FULL on a CPU, LEAN and FULL on a GPU);
     these tests run LEAN and FULL on every platform, the pair whose bits they compare."""
-    old = sampler_variants.VARIANTS
-    sampler_variants.VARIANTS = (LEAN, FULL)
-    yield
-    sampler_variants.VARIANTS = old
-
-
-@pytest.fixture(scope="module")
-def engine(serving_model, both_variants) -> Engine:
-    return Engine(serving_model, **SETTINGS, async_scheduling=True)
+    return Engine(serving_model, **SETTINGS, async_scheduling=True, sampler_variants="lean-full")
 
 
 def test_a_request_has_the_same_bits_in_every_variant_that_serves_it(engine: Engine) -> None:
@@ -137,8 +129,8 @@ def test_on_demand_greedy_steps_have_the_bits_of_every_other_variant(
     and a greedy request with a logit bias (LEAN: draw and transforms built), sync and async.
     Control: a policy that runs GREEDY for every step drops the bias and the draw, and both
     other requests' outputs change."""
-    monkeypatch.setattr(sampler_variants, "VARIANTS", ON_DEMAND)
-    eng = Engine(serving_model, **SETTINGS, async_scheduling=True)
+    eng = Engine(serving_model, **SETTINGS, async_scheduling=True, sampler_variants="on-demand")
+    assert eng.runner.variants == ON_DEMAND
     reqs = requests(eng.cfg.vocab_size)
     greedy, common = reqs["greedy"], dict(ignore_eos=True, max_tokens=12)
     alone_tokens = run(eng, {"greedy": greedy})["greedy"][0]

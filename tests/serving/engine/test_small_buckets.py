@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jdet
+from jdet.plan import backend
 
 pytestmark = pytest.mark.xdist_group("small_buckets")
 
@@ -55,10 +56,8 @@ def test_default_cpu_buckets_decode_alone_in_one_row_with_the_bits_of_eight(mode
     """The default engine: a batch-1 decode runs T = 1 (2-row dots), two sequences T = 8 (8-row
     dots); the same bits either way, and score()'s. Where the small row blocks are not verified
     (pallas_kernels/xla_fixed.py `small_row_blocks_verified`) there is no 1-token bucket."""
-    from pallas_kernels import xla_fixed
-
     llm = jdet.LLM(model, invariance="tp", warmup=False)
-    first = (1, 8) if xla_fixed.SMALL_ROW_BLOCKS else (8, 16)
+    first = (1, 8) if backend().small_row_blocks else (8, 16)
     assert llm.engine.runner.shapes.tokens[:2] == first
     together = llm.generate(PROMPTS, PARAMS)
     for prompt, out in zip(PROMPTS, together, strict=True):
@@ -108,8 +107,6 @@ def test_jdet_generate_keeps_its_one_step_shape_without_the_1_token_bucket():
     shapes = ShapeSet.build(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=8,
                             max_pages=8, min_tokens_bucket=cfg.min_tokens_bucket)  # fmt: skip
     assert shapes.tokens == (8,)
-    from pallas_kernels import xla_fixed
-
     default = ShapeSet.build(max_num_batched_tokens=8, max_num_seqs=8, max_pages=8)
     # what it would have run unpinned (no 1-token bucket where the small row blocks are off)
-    assert default.tokens == ((1, 8) if xla_fixed.SMALL_ROW_BLOCKS else (8,))
+    assert default.tokens == ((1, 8) if backend().small_row_blocks else (8,))
