@@ -45,7 +45,7 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     # Qwen3-1.7B / 4B: between the 0.6B and 8B shapes (100 and 202 MB of weights a layer), where
-    # jdet.model.LAYER_UNROLL_GPU was measured (BENCHMARKS run 13)
+    # the unrolled layer loop (Ops.unroll_layers_gpu) was measured (BENCHMARKS.md)
     "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
                        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,

@@ -8,7 +8,7 @@ These tests hold the row block to that at the shapes models use (BIO and tree pl
 blocked weights); the negative control runs 1-row blocks and must see a row change.
 
 The equality is measured, not constructed, so the small blocks are on only for the jaxlib and CPU
-where it was measured (`xla_fixed.small_row_blocks_verified`; JAX 0.11.2 broke it on an AVX-512
+where it was measured (`_platform.small_row_blocks_verified`; JAX 0.11.2 broke it on an AVX-512
 Xeon). Where they are off, the same tests hold every product of 1-7 rows to 8-row dots.
 """
 
