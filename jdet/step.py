@@ -71,8 +71,8 @@ NONE_GPU_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # Every GPU step without XLA's rematerialization pass. Why: XLA sizes a program's memory with the
 # donated KV pool counted twice (as input and as output: "may-alias"), so a pool that fills the
 # device always looks too large, and the pass then spends seconds per compile failing to shrink
-# it (an 8B step with a 58 GiB pool on an H200: 7.7 s -> 3.0 s of compile, the same program and
-# memory: "Can't reduce memory use below ..."). The engine sizes the pool from the step's own
+# it (more than half of an 8B step's compile, for the same program and memory: "Can't reduce
+# memory use below ..."; BENCHMARKS.md, start-up). The engine sizes the pool from the step's own
 # peak (serving/engine/memory.py), so there is nothing for the pass to rescue.
 GPU_XLA_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
@@ -117,7 +117,7 @@ def xla_options(ops: Ops) -> dict:
     Pallas kernels, cuBLAS) in place ("dynamic slice fusion"), but its Triton GEMM fusions —
     which it picks for small-M dots — take only whole buffers, so it copied every weight of
     every layer before using it: the "none" decode step read each weight twice and wrote it once
-    (H100 profile, Llama-3-8B shape: 160 copies, 9.0 of 18.7 ms per step). With Triton GEMMs off
+    (in a profile, the copies were about half of the step). With Triton GEMMs off
     the dots go to cuBLAS, which reads the slice in place. `$JDET_NONE_XLA_OPTIONS`
     ("key=value,...", or "" for XLA's defaults) overrides it, for benchmarks."""
     here = backend()

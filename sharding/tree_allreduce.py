@@ -54,11 +54,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# "auto" (measured on 4x H200, NVLink, jax 0.11.2: benchmarks/tp_bench.py): one all-gather is
-# fastest while the gathered n * bytes stays small (decode, and prefill up to ~4 MiB per device at
-# TP=4); above that, TP=2 is best served by one full swap ("exchange") and TP>=4 by the bandwidth-
-# optimal reduce-scatter + NCCL all-gather ("halving_ag"). TP=8 was not measured (no 8-GPU
-# machine was lent): it follows the TP=4 rule.
+# "auto" (benchmarks/tp_bench.py on H200s over NVLink; BENCHMARKS.md has the table): one
+# all-gather is fastest while the gathered n * bytes stays small (decode, and prefill up to ~4 MiB
+# per device at TP=4); above that, TP=2 is best served by one full swap ("exchange") and TP>=4 by
+# the bandwidth-optimal reduce-scatter + NCCL all-gather ("halving_ag"). TP=8 is unmeasured: it
+# follows the TP=4 rule.
 GATHER_MAX_BYTES_TP2 = 256 << 10  # per device
 GATHER_MAX_TOTAL_BYTES = 16 << 20  # n * per-device bytes, TP >= 4
 
