@@ -90,6 +90,14 @@ def _decode_child(shape: str, kw: dict, ctxs: tuple[int, ...], smoke: bool) -> N
               flush=True)  # fmt: skip
 
 
+def _child_rows(cmd: list[str], fallback: dict, env: dict | None = None) -> list[dict]:
+    """Run `cmd` (a fresh process) and return the JSON rows it printed, or one row of `fallback`
+    with the tail of its stderr when it printed none."""
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return rows or [{**fallback, "error": p.stderr[-2000:]}]
+
+
 def decode(shape: str, smoke: bool) -> list[dict]:
     """Each setting in a fresh process, as a user starts an engine: one engine's pool and
     compiles never weigh on the next."""
@@ -104,9 +112,7 @@ def decode(shape: str, smoke: bool) -> list[dict]:
         cmd = [sys.executable, "-m", "benchmarks.user_bench", "--decode-child", json.dumps(
             {"kw": {k: v for k, v in kw.items() if v is not None}, "ctxs": ctxs, "smoke": smoke}),
             "--shape", shape]  # fmt: skip
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        got = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-        for r in got or [{"part": "decode", "settings": kw, "error": p.stderr[-2000:]}]:
+        for r in _child_rows(cmd, {"part": "decode", "settings": kw}):
             rows.append(r)
             print(json.dumps(rows[-1])[:600], flush=True)
     return rows
@@ -166,10 +172,7 @@ def start(shape: str) -> list[dict]:
         env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
         for which in ("cold", "warm"):
             cmd = [sys.executable, "-m", "benchmarks.user_bench", "--start-child", "--shape", shape]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if lines else {"error": p.stderr[-2000:]}
-            rows.append({**row, "cache": which})
+            rows.append({**_child_rows(cmd, {}, env)[-1], "cache": which})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -177,11 +180,9 @@ def start(shape: str) -> list[dict]:
 def torch_anchor(shape: str, out: Path) -> list[dict]:
     rows = []
     for ctx in (1024, 8192):
-        p = subprocess.run([sys.executable, "-m", "benchmarks.torch_decode", "--shape", shape,
-                            "--ctx", str(ctx), "--modes", "compile", "--out", str(out)],
-                           capture_output=True, text=True)  # fmt: skip
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        rows += [json.loads(ln) for ln in lines] or [{"ctx": ctx, "error": p.stderr[-2000:]}]
+        rows += _child_rows([sys.executable, "-m", "benchmarks.torch_decode", "--shape", shape,
+                             "--ctx", str(ctx), "--modes", "compile", "--out", str(out)],
+                            {"ctx": ctx})  # fmt: skip
     return rows
 
 
@@ -218,9 +219,7 @@ def sdpa_anchor(shape: str, smoke: bool) -> list[dict]:
     lens = SMOKE_TTFT_LENS if smoke else TTFT_LENS
     cmd = [sys.executable, "-m", "benchmarks.user_bench", "--sdpa-child", "--shape", shape,
            "--lens", ",".join(map(str, lens))]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    return rows or [{"error": p.stderr[-2000:]}]
+    return _child_rows(cmd, {})
 
 
 def environment() -> dict:
