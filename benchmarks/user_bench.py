@@ -98,16 +98,17 @@ def _child_rows(cmd: list[str], fallback: dict, env: dict | None = None) -> list
     return rows or [{**fallback, "error": p.stderr[-2000:]}]
 
 
-def decode(shape: str, smoke: bool) -> list[dict]:
+def decode(shape: str, smoke: bool, shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """Each setting in a fresh process, as a user starts an engine: one engine's pool and
-    compiles never weigh on the next."""
+    compiles never weigh on the next. `shard` (i, n): only every n-th setting from the i-th, so
+    n processes on n GPUs share the sweep (`--merge` joins their JSON)."""
     settings: list[dict] = [{}]  # the defaults first
     seqs, pools = (SMOKE_SEQS, SMOKE_POOLS) if smoke else (SWEEP_SEQS, SWEEP_POOLS)
     # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
     settings += [{"max_num_seqs": s, "num_pages": p} for p in pools for s in seqs
                  if (s, p) != (256, None)]  # fmt: skip
     rows = []
-    for kw in settings:
+    for kw in settings[shard[0]::shard[1]]:
         ctxs = (64,) if smoke else (1024,) + ((8192,) if not kw else ())
         cmd = [sys.executable, "-m", "benchmarks.user_bench", "--decode-child", json.dumps(
             {"kw": {k: v for k, v in kw.items() if v is not None}, "ctxs": ctxs, "smoke": smoke}),
@@ -260,7 +261,7 @@ PARTS = ("start", "decode", "ttft", "sdpa", "torch")
 
 def run(
     out_dir: str = "out", shape: str = "llama3-8b", smoke: bool = False,
-    only: tuple[str, ...] = PARTS,
+    only: tuple[str, ...] = PARTS, shard: tuple[int, int] = (0, 1),
 ) -> dict:  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +272,7 @@ def run(
 
     parts = [
         ("start", lambda: start(shape)),
-        ("decode", lambda: decode(shape, smoke)),
+        ("decode", lambda: decode(shape, smoke, shard)),
         ("ttft", lambda: ttft(shape, smoke)),
         ("sdpa", lambda: sdpa_anchor(shape, smoke)),
     ]
@@ -287,6 +288,23 @@ def run(
     return result
 
 
+def merge(paths: list[str], out_dir: str) -> dict:
+    """One user_bench.json from several runs' (e.g. the sweep's shards on several GPUs of one
+    machine): each part's rows joined in the order given, the first run's env and shape kept,
+    the ratios taken again across them."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    result: dict = {"shape": runs[0]["shape"], "env": runs[0]["env"]}
+    for name in PARTS:
+        rows = [r for run_ in runs for r in run_.get(name, [])]
+        if rows:
+            result[name] = rows
+    ratios(result)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "user_bench.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -294,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few tokens (CPU check)")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="comma-separated subset of " + ",".join(PARTS))  # fmt: skip
+    ap.add_argument("--shard", default="0/1",
+                    help="I/N: only every N-th setting of the decode sweep from the I-th")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="join these runs' user_bench.json into OUT/user_bench.json, run nothing")
     ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--decode-child", help=argparse.SUPPRESS)
     ap.add_argument("--sdpa-child", action="store_true", help=argparse.SUPPRESS)
@@ -309,10 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.sdpa_child:
         _sdpa_child(a.shape, [int(n) for n in a.lens.split(",")])
         return 0
+    if a.merge:
+        merge(a.merge, a.out)
+        return 0
     parts = tuple(a.parts.split(","))
     if unknown := set(parts) - set(PARTS):
         ap.error(f"unknown --parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    run(a.out, "tiny" if a.smoke else a.shape, a.smoke, parts)
+    i, n = (int(v) for v in a.shard.split("/"))
+    run(a.out, "tiny" if a.smoke else a.shape, a.smoke, parts, (i, n))
     return 0
 
 
