@@ -29,7 +29,6 @@ prompt, SDPA on the CPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -119,29 +118,36 @@ def decode(shape: str, smoke: bool, shard: tuple[int, int] = (0, 1)) -> list[dic
     return rows
 
 
-def ttft(shape: str, smoke: bool) -> list[dict]:
+def _ttft_child(shape: str, kw: dict, smoke: bool) -> None:
+    """One engine's time to first token at each prompt length, in this (fresh) process."""
     import jdet
 
     rng = np.random.default_rng(1)
     lens = SMOKE_TTFT_LENS if smoke else TTFT_LENS
     model = _model(shape, max(lens) + 64)
+    llm = jdet.LLM(model, warmup=False, **kw)
+    for n in lens:
+        sp = jdet.SamplingParams(max_tokens=1, temperature=0.0)
+        prompts = [rng.integers(1, model.cfg.vocab_size, n).tolist() for _ in range(3)]
+        llm.generate([prompts[0]], sp)  # its shapes compiled
+        t = []
+        for ids in prompts[1:]:
+            t0 = time.perf_counter()
+            llm.generate([ids], sp)
+            t.append(time.perf_counter() - t0)
+        print(json.dumps(_engine_row(llm, part="ttft", prompt=n, ttft_ms=min(t) * 1e3)),
+              flush=True)  # fmt: skip
+
+
+def ttft(shape: str, smoke: bool) -> list[dict]:
+    """At the default token budget and at 8192, each engine in a fresh process (as `decode`)."""
     rows = []
-    for budget in ((None,) if smoke else (None, 8192)):
-        kw = {} if budget is None else {"max_num_batched_tokens": budget}
-        llm = jdet.LLM(model, warmup=False, **kw)
-        for n in lens:
-            sp = jdet.SamplingParams(max_tokens=1, temperature=0.0)
-            prompts = [rng.integers(1, model.cfg.vocab_size, n).tolist() for _ in range(3)]
-            llm.generate([prompts[0]], sp)  # its shapes compiled
-            t = []
-            for ids in prompts[1:]:
-                t0 = time.perf_counter()
-                llm.generate([ids], sp)
-                t.append(time.perf_counter() - t0)
-            rows.append(_engine_row(llm, part="ttft", prompt=n, ttft_ms=min(t) * 1e3))
-            print(json.dumps(rows[-1]), flush=True)
-        del llm
-        gc.collect()
+    for kw in [{}] if smoke else [{}, {"max_num_batched_tokens": 8192}]:
+        cmd = [sys.executable, "-m", "benchmarks.user_bench", "--ttft-child",
+               json.dumps({"kw": kw, "smoke": smoke}), "--shape", shape]  # fmt: skip
+        for r in _child_rows(cmd, {"part": "ttft", "settings": kw}):
+            rows.append(r)
+            print(json.dumps(r)[:600], flush=True)
     return rows
 
 
@@ -318,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="join these runs' user_bench.json into OUT/user_bench.json, run nothing")
     ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--decode-child", help=argparse.SUPPRESS)
+    ap.add_argument("--ttft-child", help=argparse.SUPPRESS)
     ap.add_argument("--sdpa-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--lens", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -327,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.decode_child:
         c = json.loads(a.decode_child)
         _decode_child(a.shape, c["kw"], tuple(c["ctxs"]), c["smoke"])
+        return 0
+    if a.ttft_child:
+        c = json.loads(a.ttft_child)
+        _ttft_child(a.shape, c["kw"], c["smoke"])
         return 0
     if a.sdpa_child:
         _sdpa_child(a.shape, [int(n) for n in a.lens.split(",")])
