@@ -100,7 +100,7 @@ def user_sweep(rec: dict) -> list[str]:
     ms = [r["decode_ms"] for r in grid.values()]
     bar = _torch(rec).get(ctx, {}).get("pipelined_step_s")
     worst = f"; slowest / compiled PyTorch {max(ms) / (bar * 1e3):.2f}×" if bar else ""
-    return [_source(rec), "", f"ms/token at context {ctx:,}:", "", *_table(head, body), "",
+    return [f"{_source(rec)}; ms/token at context {ctx:,}", "", *_table(head, body), "",
             f"Spread (slowest / fastest cell): {max(ms) / min(ms):.3f}{worst}.",
             *_failed(rec, "decode")]  # fmt: skip
 

@@ -53,3 +53,9 @@ def test_a_record_renders_its_tables_and_check_sees_a_changed_figure(tmp_path):
     # negative control: a figure edited by hand no longer matches its record
     md.write_text(after.replace(figure, "**1.00**", 1))
     assert _report("--check", *paths).returncode == 1
+
+
+def test_benchmarks_md_is_at_most_400_lines():
+    """The current state fits on one page; the log of how it got there is git's."""
+    n = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    assert n <= 400, f"BENCHMARKS.md has {n} lines: drop what a rendered table now says"
