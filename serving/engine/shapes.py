@@ -117,8 +117,7 @@ def default_min_tokens_bucket() -> int:
     where the defaults are kept), 16 elsewhere. Why 8 on a CPU: the CPU kernels compute every
     matmul of 5 or more rows in blocks of 8 (pallas_kernels/xla_fixed.py BM), so a decode padded
     to 16 tokens would compute a second, empty block of every product, attention group and
-    sampled row (about 0.4 of the embedded model's decode step). On a GPU a 16-row tile is the
-    kernels' smallest step anyway."""
+    sampled row. On a GPU a 16-row tile is the kernels' smallest step anyway."""
     return 8 if backend().cpu else 16
 
 
