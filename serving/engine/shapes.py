@@ -26,7 +26,7 @@ prefill chunk alone: 1.32 (T 300 -> 512, S 1 -> 256); 32 decodes + a 200-token c
 the 256 sampled rows of S = T. A busy server fills steps to the token budget (T exact); few-
 sequence prefill is what pays.
 Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
-Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
+Pmax (README.md); padded rows write no K/V (slot -1) and their samples are dropped.
 """
 
 from __future__ import annotations
