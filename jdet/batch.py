@@ -1,4 +1,4 @@
-"""The step input: one flat ragged batch of prefill chunks and decode tokens (DESIGN §3).
+"""The step input: one flat ragged batch of prefill chunks and decode tokens (ARCHITECTURE.md).
 
 Why flat: prefill chunks and decodes share one batch (Sarathi-Serve), and every kernel sees the
 same layout; padding to bucketed sizes keeps the number of compiled shapes small.
@@ -50,7 +50,7 @@ def build_batch(
 ) -> tuple[StepBatch, np.ndarray]:
     """Host-side batch for sequences given as (new token ids, start position, page list): THE
     batch builder (the engine's steps, decode steps dispatched ahead, model drafts, scoring,
-    jdet.train), so every caller lays a step out the same way (DESIGN §3).
+    jdet.train), so every caller lays a step out the same way (ARCHITECTURE.md).
 
     `logits="last"` asks for one logits row per sequence (its last new token), `"all"` for every
     token row, a list of ints for that many trailing rows of each sequence (a speculative verify

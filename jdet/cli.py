@@ -85,7 +85,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
     # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded
-    # model; a 22-token prompt, load ~6: 10.9 -> 7.2 CPU s). Chunked prefill gives the same bits.
+    # model). Chunked prefill gives the same bits.
     engine = _one_shape_budget(engine, spec)
     if engine.sampler_variants == "auto":  # each variant compiled at its first step
         engine = dataclasses.replace(engine, sampler_variants="on-demand")

@@ -1,4 +1,4 @@
-"""`system_fingerprint`: equal fingerprint + equal request => equal output (DESIGN §1).
+"""`system_fingerprint`: equal fingerprint + equal request => equal output (README.md).
 
 It hashes everything the bits depend on: the weights, the config (EOS ids included: they decide
 where generation stops), the invariance mode, the kernel plan (attention partition size, page

@@ -1,5 +1,5 @@
 """Pallas kernels whose reduction order depends on model shapes only, each with a pure-jnp
-reference. This package knows nothing about models (DESIGN §2)."""
+reference. This package knows nothing about models (docs/ARCHITECTURE.md, "Layers")."""
 
 from pallas_kernels import _platform
 from pallas_kernels._platform import Backend, backend

@@ -5,7 +5,7 @@ sequence s attends to KV positions 0..p of s, read from the paged cache (which a
 step's K/V). Its output bits depend only on (its query vector, p, s's KV values): not on the other
 rows of the batch, the chunk it came in, the number of tokens, or which physical pages hold the KV.
 
-Reduction plan (DESIGN §4; split-KV, as flash-decoding):
+Reduction plan (docs/ARCHITECTURE.md; split-KV, as flash-decoding):
 - KV positions are cut into fixed partitions of `partition_size` tokens aligned to position 0
   (partition j covers [j*PS, (j+1)*PS)). PS is a multiple of the page size.
 - Inside a partition, one query row runs the online softmax over fixed KV blocks of `block_kv`

@@ -1,4 +1,4 @@
-"""Tensor parallelism on one host (DESIGN §5): a 1-D 'tp' mesh, partition specs for every weight
+"""Tensor parallelism: a 1-D 'tp' mesh, partition specs for every weight
 and the paged KV cache, the model step under `shard_map`, and the pairwise tree all-reduce that
 makes TP = 1, 2, 4, 8 bitwise identical in "tp" mode.
 

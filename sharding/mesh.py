@@ -1,6 +1,6 @@
 """The 1-D tensor-parallel mesh and the `shard_map` entry point for both supported jax versions.
 
-Why one axis: jdet splits a model only by tensor parallelism inside one host (DESIGN §5), so the
+Why one axis: jdet splits a model only by tensor parallelism (on one host or several), so the
 mesh is `tp` devices on a line. TP sizes are powers of two because the cross-device reduction is a
 binary tree (see `tree_allreduce`).
 """

@@ -11,7 +11,7 @@ A sequence that a stop *string* finishes in (3) was already part of step n; its 
 dropped, never reported. Outputs therefore trail the device by one step.
 
 Nothing here can change a token's bits: which step, batch or chunk a token is computed in does
-not matter (DESIGN §1); sampling randomness is keyed by (seed, position).
+not matter (README.md); sampling randomness is keyed by (seed, position).
 
 One unit: the engine owns its scheduler, page manager and model runner, its request table and its
 metrics; what it delegates are plain functions or objects with their own interfaces, given what

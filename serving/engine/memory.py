@@ -1,9 +1,9 @@
 """The KV page pool's size on a device with a memory limit: what is left of the device's memory
 once the weights, the step's own peak and a headroom are counted, under `gpu_memory_utilization`.
 
-Why measured, not guessed: the pool used to take a fixed 85 % of the free memory, which left the
-step's working memory to chance (an 8B engine on an H200 then failed its first step). Here every
-term is read off the device or the compiler:
+Why measured, not guessed: a fixed fraction of the free memory leaves the step's working memory
+to chance (an 8B engine on an H200 can fail its first step that way). Here every term is read off
+the device or the compiler:
 - the weights and anything else already placed: the device's `bytes_in_use` once the runner has
   placed its (padded, fused) weights;
 - the step's peak: XLA's memory analysis of the largest step shape the engine runs, compiled

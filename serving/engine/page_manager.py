@@ -9,7 +9,7 @@ evicts its hash: the prefix cache is LRU over free pages and never costs capacit
 
 The hash of page i is blake2b(hash of page i-1 || tokens of page i): a chain, so equal hashes mean
 equal prefixes. Only full pages are cached. Cached K/V is bitwise what recomputation would give
-because the kernels are chunk-invariant (DESIGN §1), so a hit changes no output bits.
+because the kernels are chunk-invariant (README.md), so a hit changes no output bits.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ cache only the rows it has already scored (after a preemption), since every othe
 needs that row computed.
 
 Chunk boundaries may fall anywhere: output bits do not depend on them, because the kernels are
-chunk- and batch-invariant (DESIGN §1) — the scheduler is free to optimise latency alone.
+chunk- and batch-invariant (README.md) — the scheduler is free to optimise latency alone.
 
 Speculative rejection mode (`verify_tokens` = K + 1; serving/speculative/speculator.py): which
 positions are rejection-sampled is part of the bits, so a sequence's verify is never cut to what the

@@ -10,7 +10,7 @@ samples nothing and finishes (reason "stop") once every row is scored. The sched
 a prompt; in a step, its rows go to the score function (jdet/step.py `make_score_fn`: log-probs
 on every token row) and the sampling rows to the step function: one schedule, one budget, one
 page pool, two device calls (sampling and scoring compile to two functions of the same forward).
-Since no row's bits depend on the batch (DESIGN §1), a score is bitwise the sampler's log-probs
+Since no row's bits depend on the batch (README.md), a score is bitwise the sampler's log-probs
 of the same tokens however it is chunked, batched or preempted.
 
 Why a mixed step (`Engine.num_mixed_steps` counts them) is two device calls, not one executable: one

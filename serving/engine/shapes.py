@@ -26,7 +26,7 @@ prefill chunk alone: 1.32 (T 300 -> 512, S 1 -> 256); 32 decodes + a 200-token c
 the 256 sampled rows of S = T. A busy server fills steps to the token budget (T exact); few-
 sequence prefill is what pays.
 Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
-Pmax (DESIGN §1); padded rows write no K/V (slot -1) and their samples are dropped.
+Pmax (README.md); padded rows write no K/V (slot -1) and their samples are dropped.
 """
 
 from __future__ import annotations
@@ -116,18 +116,16 @@ def default_min_tokens_bucket() -> int:
     """The smallest T bucket: 8 on a CPU (below it the 1-token bucket of `single_token_bucket`
     where the defaults are kept), 16 elsewhere. Why 8 on a CPU: the CPU kernels compute every
     matmul of 5 or more rows in blocks of 8 (pallas_kernels/xla_fixed.py BM), so a decode padded
-    to 16 tokens computed a second, empty block of every product, attention group and sampled
-    row (measured: 16 -> 8 took the embedded model's "tp" decode step from ~14 to ~10 ms of CPU
-    time). On a GPU a 16-row tile is the kernels' smallest step anyway."""
+    to 16 tokens would compute a second, empty block of every product, attention group and
+    sampled row. On a GPU a 16-row tile is the kernels' smallest step anyway."""
     return 8 if backend().cpu else 16
 
 
 def single_token_bucket() -> bool:
     """Whether the default buckets start with T = 1 (then 8, 16, ...): on a CPU's fixed-order
     kernels, where a 1-token step runs 2-row dots (pallas_kernels/xla_fixed.py `row_block`)
-    instead of 8-row ones, the same bits for its row (tests/serving/engine/test_small_buckets.py).
-    Measured on the 2-core CI machine (load 5.5-6): the embedded model's batch-1 "tp" decode
-    167-171 -> 234-259 tok/s, 5.8 -> 3.8 CPU ms a token. One shape more per Pmax bucket to
+    instead of 8-row ones, the same bits for its row (tests/serving/engine/test_small_buckets.py),
+    and batch-1 decode runs faster (BENCHMARKS.md, CPU). One shape more per Pmax bucket to
     compile; batch 2-8 decodes stay at T = 8; `jdet generate` pins its one shape (jdet/cli.py)."""
     return backend().small_row_blocks
 

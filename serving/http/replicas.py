@@ -23,11 +23,18 @@ import httpx
 
 log = logging.getLogger("jdet.router")
 
-HEALTH_INTERVAL = 1.0  # seconds between health checks of each replica
-HEALTH_MISSES = 5  # unanswered health checks in a row before a running replica counts as down
-HEALTH_TIMEOUT = 10.0  # seconds a replica has to answer /health
 REPLICA_STOP_TIMEOUT = 30.0  # seconds a replica gets to drain after SIGTERM
 RESTART_BACKOFF = (1.0, 30.0)  # first and longest wait before restarting a replica that exited
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """How a ReplicaSet checks its replicas. Data, not module state: a test that wants faster
+    checks builds its own."""
+
+    interval: float = 1.0  # seconds between health checks of each replica
+    misses: int = 5  # unanswered checks in a row before a running replica counts as down
+    timeout: float = 10.0  # seconds a replica has to answer /health
 
 
 @dataclasses.dataclass
@@ -86,8 +93,11 @@ def replica_devices(n: int, tp: int, visible: str | None) -> list[str | None]:
 class ReplicaSet:
     """Starts, watches and restarts the replicas; knows which can serve."""
 
-    def __init__(self, serve_kwargs: dict, n: int, api_key: str | None) -> None:
+    def __init__(
+        self, serve_kwargs: dict, n: int, api_key: str | None, health: Health = Health()
+    ) -> None:
         self.serve_kwargs = serve_kwargs
+        self.health = health
         self.api_key = api_key
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = replica_devices(n, int(serve_kwargs.get("tp", 1)), visible)
@@ -110,11 +120,12 @@ class ReplicaSet:
         log.info("replica %d: started (pid %d, port %d)", r.index, r.proc.pid, r.port)
 
     @classmethod
-    def external(cls, urls: Sequence[str]) -> ReplicaSet:
+    def external(cls, urls: Sequence[str], health: Health = Health()) -> ReplicaSet:
         """Replicas that run elsewhere (e.g. one `jdet serve` pod each): routed to and checked,
         never started or restarted here."""
         rs = cls.__new__(cls)
         rs.serve_kwargs, rs.api_key, rs.fingerprint, rs.stopping = {}, None, None, False
+        rs.health = health
         rs.replicas = [Replica(i, 0, None, url=u.rstrip("/")) for i, u in enumerate(urls)]
         return rs
 
@@ -125,8 +136,8 @@ class ReplicaSet:
             self.start(self.replicas[0])
 
     async def watch(self, client: httpx.AsyncClient) -> None:
-        """Every HEALTH_INTERVAL: each replica's /health; start the waiting ones, restart the
-        ones that exited (with a growing backoff)."""
+        """Every `health.interval` seconds: each replica's /health; start the waiting ones,
+        restart the ones that exited (with a growing backoff)."""
         while not self.stopping:
             first = self.replicas[0]
             for r in self.replicas:
@@ -146,17 +157,17 @@ class ReplicaSet:
                         self.start(r)
             await asyncio.gather(*(self.check(r, client) for r in self.replicas if r.alive))
             self.decide()
-            await asyncio.sleep(HEALTH_INTERVAL)
+            await asyncio.sleep(self.health.interval)
 
     async def check(self, r: Replica, client: httpx.AsyncClient) -> None:
         """One /health of `r`: whether it answers 200 and with which fingerprint."""
         try:
-            resp = await client.get(r.base + "/health", timeout=HEALTH_TIMEOUT)
+            resp = await client.get(r.base + "/health", timeout=self.health.timeout)
             body = resp.json()
         except (httpx.HTTPError, ValueError):
             # a busy replica may answer late; a dead one is caught by its exit or a lost request
             r.misses += 1
-            if r.status == "starting" or r.misses >= HEALTH_MISSES:
+            if r.status == "starting" or r.misses >= self.health.misses:
                 r.healthy = False
                 r.status = "starting" if r.status == "starting" else "unreachable"
             return

@@ -11,7 +11,7 @@ and the target's own next token t_a).
 Why the bits equal non-speculative decoding. Every emitted token is a target sample t_i, not a
 draft. Row i's input is x, d_1..d_i = x, t_0..t_{i-1}: exactly the context the i-th of a+1 single
 decode steps would have. Its logits are bitwise those of that decode step, because the kernels
-are chunk-invariant (computing positions p..p+k in one forward = one at a time; DESIGN §1, the
+are chunk-invariant (computing positions p..p+k in one forward = one at a time; README.md; the
 same property that makes chunked prefill exact), and its sample is keyed by (seed, position),
 not by the step or row. So t_i and its log-probs (raw log_softmax of those logits) are the
 non-speculative ones; the draft only decides how many rows of the step are usable. A wrong draft

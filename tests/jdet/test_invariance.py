@@ -1,4 +1,4 @@
-"""Model-level invariance (DESIGN §1): bitwise equality of log-probs and tokens, bf16.
+"""Model-level invariance (README.md): bitwise equality of log-probs and tokens, bf16.
 
 Each property runs in the invariant modes and, as a negative control, in "none", where the same
 comparison must report a difference. On a CPU, XLA's own ops happen to give identical bits at

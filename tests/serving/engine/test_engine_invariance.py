@@ -1,4 +1,4 @@
-"""Bitwise invariance of the serving engine (DESIGN §1) on a tiny random Qwen3.
+"""Bitwise invariance of the serving engine (README.md) on a tiny random Qwen3.
 
 Two probe requests (greedy, and seeded top-k/top-p sampling), each with log-probs and top-3
 log-probs, are run alone to get reference bits; then among 1/8/32 other requests, under token

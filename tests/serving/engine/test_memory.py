@@ -18,20 +18,20 @@ SETTINGS = dict(max_num_batched_tokens=16, max_num_seqs=4, invariance="tp")
 @pytest.fixture
 def limit(monkeypatch, serving_model):
     """`set_pool(pages, utilization)` makes the device report a limit and bytes in use that leave
-    exactly `pages` pages to the pool, as a GPU would report them (headroom 1 MiB, so the tiny
-    model's pool stays small); returns (limit, in_use, peak)."""
+    exactly `pages` pages to the pool, as a GPU would report them (the engine's own headroom
+    counted in, so the tiny model's pool stays small); returns (limit, in_use, peak)."""
     from jdet import compile_cache
 
     value = [0, 0]
     fake = lambda: tuple(value)  # noqa: E731
     monkeypatch.setattr(memory, "device_limit", fake)
-    monkeypatch.setattr(memory, "HEADROOM_BYTES", 1 << 20)
     probe = Engine(serving_model, num_pages=48, **SETTINGS).runner
     peak = memory.step_peak(probe, compile_cache.exec_dir())  # what the engines will read
     page = memory.page_bytes_per_device(probe)
 
     def set_pool(pages: int, utilization: float = 0.5, in_use: int = 64 << 20) -> tuple:
-        value[:] = [int((in_use + peak + (1 << 20) + pages * page) / utilization) + 1, in_use]
+        need = in_use + peak + memory.HEADROOM_BYTES + pages * page
+        value[:] = [int(need / utilization) + 1, in_use]
         return value[0], value[1], peak
 
     return set_pool
@@ -60,7 +60,7 @@ def test_pool_is_what_the_limit_leaves_after_weights_peak_and_headroom(serving_m
     eng = Engine(serving_model, gpu_memory_utilization=0.5, **SETTINGS)
     b = eng.memory_budget
     assert (b.limit, b.in_use, b.utilization, b.peak) == (lim, in_use, 0.5, peak)
-    assert peak > 0 and b.headroom == 1 << 20
+    assert peak > 0 and b.headroom == memory.HEADROOM_BYTES
     page = memory.page_bytes_per_device(eng.runner)
     assert b.for_pool // page == 48
     assert eng.page_manager.num_pages == eng.runner.num_pages == eng.runner.kv["k"].shape[2] == 48

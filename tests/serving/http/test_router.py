@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.http import replicas, router
-from serving.http.replicas import ReplicaSet
+from serving.http import router
+from serving.http.replicas import Health, ReplicaSet
 from serving.http.router import build_router
 
 
@@ -84,10 +84,7 @@ class Served:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture
-def fast_health(monkeypatch):
-    monkeypatch.setattr(replicas, "HEALTH_INTERVAL", 0.05)
-    monkeypatch.setattr(replicas, "HEALTH_MISSES", 10**6)  # a replica once up stays up here
+FAST_HEALTH = Health(interval=0.05, misses=10**6)  # a replica once up stays up here
 
 
 def wait_health(base: str, want: str) -> dict:
@@ -100,7 +97,7 @@ def wait_health(base: str, want: str) -> dict:
     raise AssertionError(f"/health never said {want!r}: {h}")
 
 
-def test_router_retries_skips_and_reports(fast_health):
+def test_router_retries_skips_and_reports():
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     seen: dict = {}
     with (
@@ -109,7 +106,7 @@ def test_router_retries_skips_and_reports(fast_health):
         Served(fake_replica("fp_other")) as c,
     ):
         urls = [a, b, c, dead]
-        rs = ReplicaSet.external(urls)
+        rs = ReplicaSet.external(urls, FAST_HEALTH)
         with Served(build_router(rs)) as base:
             h = wait_health(base, "degraded")
             ready = {r["replica"]: r["ready"] for r in h["replicas"]}

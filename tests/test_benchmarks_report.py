@@ -1,0 +1,61 @@
+"""BENCHMARKS.md's rendered tables match the committed benchmark records (benchmarks/report.py).
+
+The renderer runs as a command, as CI and a developer run it: tests import nothing from
+benchmarks (the `tests-standalone` contract). The fixture is user_bench's CPU smoke record
+(notebooks/data/), rendered into a copy of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "notebooks" / "data" / "user_bench_cpu_smoke.json"
+BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n.*?<!-- /report:\1 -->", re.DOTALL)
+
+
+def _report(*args: object) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "benchmarks.report", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+
+
+def test_benchmarks_md_matches_the_committed_records():
+    p = _report("--check")
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_record_renders_its_tables_and_check_sees_a_changed_figure(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(SMOKE, results / "user_bench.json")
+    md = tmp_path / "BENCHMARKS.md"
+    before = (ROOT / "BENCHMARKS.md").read_text()
+    md.write_text(before)
+    paths = ("--results", results, "--file", md)
+    # negative control: the committed placeholders are not the record's rendering
+    assert _report("--check", *paths).returncode == 1
+    p = _report(*paths)
+    assert p.returncode == 0, p.stderr
+    assert _report("--check", *paths).returncode == 0
+    after = md.read_text()
+    assert BLOCK.sub("", after) == BLOCK.sub("", before), "text outside the markers changed"
+    rec = json.loads(SMOKE.read_text())
+    default = next(r for r in rec["decode"] if not r["settings"])
+    figure = f"**{default['decode_ms']:.2f}**"
+    assert figure in after
+    for r in rec["start"]:
+        assert f"**{r['ready_s']:.1f}**" in after
+    # negative control: a figure edited by hand no longer matches its record
+    md.write_text(after.replace(figure, "**1.00**", 1))
+    assert _report("--check", *paths).returncode == 1
+
+
+def test_benchmarks_md_is_at_most_400_lines():
+    """The current state fits on one page; the log of how it got there is git's."""
+    n = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    assert n <= 400, f"BENCHMARKS.md has {n} lines: drop what a rendered table now says"
