@@ -20,7 +20,8 @@ Stages, in this order while the budget lasts (each candidate alone in try/except
 A parent process runs the sweep in a child and restarts it past a candidate that kills it
 (a Triton crash, say), until the budget is spent; candidates already measured are not rerun.
 
-Usage (GPU): PYTHONPATH=. python -m benchmarks.attention_sweep --out $OUT --budget-s 520
+Usage (GPU): PYTHONPATH=. python -m benchmarks.attention_sweep --out $OUT --budget-s 500
+             [--only decode --stages 2,3] (a second call: the stages the first one's budget cut)
 CPU check:   JDET_PALLAS_INTERPRET=1 PYTHONPATH=. python -m benchmarks.attention_sweep --tiny
 Writes attention_sweep.json (settings, rows) under --out and prints a table.
 """
@@ -82,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="1,2,3,4")
     p.add_argument("--configs", default="kv2d0,ahead0,static0", help=f"of {list(CONFIGS)}")
     p.add_argument("--top", type=int, default=3)
+    p.add_argument("--only", default="anchor,baseline,prefill,top,decode", help="stages to run")
     p.add_argument("--tiny", action="store_true", help="CPU interpret-mode check of the script")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--progress", default="", help=argparse.SUPPRESS)
@@ -207,6 +209,8 @@ class Sweep:
         """Run `body()` (a dict of fields) unless done or past the deadline; log it."""
         if rid in self.done:
             return self.done[rid]
+        if rid != "device" and rid.split("|")[0] not in self.a.only.split(","):
+            return None
         if time.time() > self.a.deadline:
             self.skipped += 1
             return None
@@ -346,7 +350,7 @@ class Sweep:
         for b, ctx in self.decodes:
             self.run_case("baseline", split, "decode", b, ctx)
         stages = _ints(self.a.stages)
-        order = [2] + [s for s in stages if s != 2] if 2 in stages else stages
+        order = sorted(stages, key=lambda s: [2, 3, 4, 1].index(s) if s in (1, 2, 3, 4) else s)
         for s in order:  # every plan at num_stages 2 first (their bit checks), then the rest
             for plan in self.plans():
                 self.run_case("prefill", Launch(*plan, stages=s), "prefill", mid)
