@@ -7,7 +7,9 @@ contiguously. Prefill (causal, one sequence): TFLOP/s and ratio to `jax.nn.dot_p
 with implementation='cudnn' (falling back to XLA where cuDNN is unavailable).
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_bench.py [out_dir]
-       [--sweep | --knobs base,split_stages=2,kv_gather_2d=0+pages_ahead=0,...]
+       [--knobs base,split_stages=2,kv_gather_2d=0+pages_ahead=0,...]
+The plan sweep (block_rows, block_kv, num_warps, num_stages, with bit checks) is
+benchmarks/attention_sweep.py.
 `--knobs`: the decode attention alone in a layer loop at the 8B and 0.6B shapes, µs per layer,
 per `AttentionConfig` setting (`knob_rows`).
 """
@@ -149,69 +151,6 @@ def run(out_dir: str) -> dict:
     return _saved(out_dir, "attention_bench.json", results)
 
 
-SWEEP = [  # (block_rows, block_kv, num_warps, num_stages): each a different, self-consistent plan
-    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2),
-    (32, 64, 4, 2),
-]  # fmt: skip
-
-
-def sweep(out_dir: str) -> list:
-    """Time the tile-plan candidates on the decode cases and the 8k prefill (ms)."""
-    key = jax.random.PRNGKey(1)
-    scale = E**-0.5
-    cases = []
-    for b, h, hkv, ctx in DECODE_CASES:
-        q, kc, vc, pt = _paged_case(key, b, h, hkv, ctx)
-        lens = jnp.full((b,), ctx, jnp.int32)
-        cases.append(
-            (
-                f"decode B{b} H{h} Hkv{hkv} ctx{ctx}",
-                (
-                    q,
-                    kc,
-                    vc,
-                    pt,
-                    lens,
-                    jnp.arange(b + 1, dtype=jnp.int32),
-                    jnp.full((b,), ctx - 1, jnp.int32),
-                ),
-            )
-        )
-    n = 8192
-    _, kc, vc, pt = _paged_case(key, 1, 32, 8, n)
-    q = jax.random.normal(key, (n, 32, E), jnp.bfloat16)
-    cases.append(
-        (
-            "prefill 8k",
-            (
-                q,
-                kc,
-                vc,
-                pt,
-                jnp.array([n], jnp.int32),
-                jnp.array([0, n], jnp.int32),
-                jnp.arange(n, dtype=jnp.int32),
-            ),
-        )
-    )
-    rows = []
-    for br, bk, nw, ns in SWEEP:
-        row = {"block_rows": br, "block_kv": bk, "num_warps": nw, "num_stages": ns}
-        for name, args in cases:
-            try:
-                f = jax.jit(
-                    lambda *a, br=br, bk=bk, nw=nw, ns=ns: paged_attention(
-                        *a, scale=scale, block_rows=br, block_kv=bk, num_warps=nw, num_stages=ns
-                    )
-                )
-                row[name] = _time(f, *args, iters=8, reps=2) * 1e3
-            except Exception as exc:  # noqa: BLE001
-                row[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return _saved(out_dir, "attention_sweep.json", rows)
-
-
 # Decode shapes of the model's layer loop: (name, layers, q heads, kv heads), head dim 128,
 # page 16, partition 256 (Ops.attn_partition), batch 1 at context 1024, decode_bench's page-table
 # width there (128 pages: 4 of its 8 partitions are sentinels, as in the engine).
@@ -295,9 +234,7 @@ def _one_layer_bits(h: int, hkv: int, ctx: int = 1000,
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = args[0] if args else os.environ.get("OUT", "out")
-    if "--sweep" in sys.argv:
-        sweep(out)
-    elif "--knobs" in sys.argv:  # --knobs base,FIELD=1+FIELD2=3,...
+    if "--knobs" in sys.argv:  # --knobs base,FIELD=1+FIELD2=3,...
         knob_rows(out, sys.argv[sys.argv.index("--knobs") + 1].split(","))
     else:
         run(out)
