@@ -188,7 +188,8 @@ def engine_step(eng: Any, ctx: int, steps: int, rid: str = "b1") -> dict:
             "engine_first_steps_s": t_first}  # fmt: skip
 
 
-def make_engine(model: Any, mode: str, max_len: int, num_pages: int) -> Any:
+def make_engine(model: Any, mode: str, max_len: int, num_pages: int, **settings: Any) -> Any:
+    """A benchmark's engine (`settings`: more EngineConfig fields, e.g. donate_weights)."""
     import gc
 
     from serving.engine.engine import Engine
@@ -197,7 +198,7 @@ def make_engine(model: Any, mode: str, max_len: int, num_pages: int) -> Any:
     return Engine(model, invariance=mode, max_num_batched_tokens=2048, max_num_seqs=64,
                   max_model_len=max_len, page_size=PAGE, num_pages=num_pages,
                   min_tokens_bucket=1, min_seqs_bucket=1, min_pages_bucket=1,
-                  enable_prefix_caching=False, async_scheduling="off")  # fmt: skip
+                  enable_prefix_caching=False, async_scheduling="off", **settings)  # fmt: skip
 
 
 def ceilings() -> dict:

@@ -49,6 +49,11 @@ class Model:
     @functools.cached_property
     def weights_hash(self) -> str:
         """Content hash of every weight (computed once, on demand: the fingerprint needs it)."""
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.params)):
+            raise ValueError(
+                "this model's weights were given to an engine (donate_weights=True) and freed; "
+                "read model.weights_hash before building the engine to fingerprint it"
+            )
         h = hashlib.sha256()
         for path, leaf in sorted(
             jax.tree_util.tree_flatten_with_path(self.params)[0], key=lambda kv: str(kv[0])

@@ -32,7 +32,14 @@ import numpy as np
 
 from jdet.config import ModelConfig
 from jdet.ops import Ops, check_mode
-from jdet.tp_layout import MAX_TP, check_heads, check_tp_size, expand_kv_heads
+from jdet.tp_layout import (
+    MAX_TP,
+    check_heads,
+    check_tp_size,
+    check_tree_shards,
+    expand_kv_heads,
+    ffn_padded,
+)
 from pallas_kernels import _platform
 from pallas_kernels._platform import Backend
 from pallas_kernels.matmul import matmul
@@ -89,7 +96,14 @@ class Plan:
         """The weights as this plan's runtime takes them (identity for the unsharded step)."""
         if not self.sharded:
             return params
+        self.check_tree_shards(jax.tree_util.tree_leaves(params)[0].dtype)
         return prepare_params(params, self.cfg, self.tp, blocked=self.blocked, **kw)
+
+    def check_tree_shards(self, dtype: Any) -> None:
+        """jdet/tp_layout.py `check_tree_shards` in "tp" mode (the others reduce each shard
+        sequentially): fail at construction, not when the first step is traced."""
+        if self.invariance == "tp":
+            check_tree_shards(self.cfg, self.tp, dtype)
 
     @property
     def blocked(self) -> bool:
@@ -151,6 +165,7 @@ def pad_params(
     *,
     ffn_multiple: int | None = None,
     vocab_multiple: int = VOCAB_MULTIPLE,
+    release: Callable[[Any], None] | None = None,
 ) -> dict:
     """Zero-pad FFN width and vocabulary (and untie lm_head) so every TP size <= MAX_TP splits them.
 
@@ -159,8 +174,10 @@ def pad_params(
     the tile count of down_proj's input width F, and with it the shape of the tree that reduces
     it; so F is padded to a multiple of `block_k * MAX_TP` for all TP sizes, TP=1 included: every
     TP size then reduces the same padded F in the same tree, and shard r of n is a whole subtree.
-    Idempotent, and independent of the TP size. Returns a new dict; `params` is not modified.
+    Idempotent, and independent of the TP size. Returns a new dict; `params` is not modified,
+    though `release` (`releaser`) may free each of its arrays once its padded copy exists.
     """
+    release = release or _keep
     out = dict(params)
     layers = dict(params["layers"])
     # (gate, up, down) of the dense MLP, and of the experts (each expert's F padded alike): a
@@ -170,19 +187,56 @@ def pad_params(
         if gate not in layers:
             continue
         F = layers[gate].shape[-1]
-        F_pad = _round_up(F, ffn_multiple or tree_block_k(F, layers[down].dtype) * MAX_TP)
+        F_pad = _round_up(F, ffn_multiple) if ffn_multiple else ffn_padded(F, layers[down].dtype)
         if F_pad != F:
             lead = ((0, 0),) * (layers[gate].ndim - 2)
             pf = F_pad - F
-            layers[gate] = _pad(layers[gate], (*lead, (0, 0), (0, pf)))
-            layers[up] = _pad(layers[up], (*lead, (0, 0), (0, pf)))
-            layers[down] = _pad(layers[down], (*lead, (0, pf), (0, 0)))
+            for name, w in ((gate, ((0, 0), (0, pf))), (up, ((0, 0), (0, pf))),
+                            (down, ((0, pf), (0, 0)))):  # fmt: skip
+                old = layers[name]
+                layers[name] = _pad(old, (*lead, *w))
+                release(old)  # one weight at a time: at most one extra padded weight alive
     out["layers"] = layers
     lm = _transposed(params["embed"]) if cfg.tie_word_embeddings else params["lm_head"]
     V = lm.shape[-1]
     V_pad = _round_up(V, vocab_multiple)
     out["lm_head"] = _pad(lm, ((0, 0), (0, V_pad - V))) if V_pad != V else lm
+    if out["lm_head"] is not lm and not cfg.tie_word_embeddings:
+        release(lm)
     return out
+
+
+def _keep(x: Any) -> None:
+    """The `release` that frees nothing (the caller keeps its weights)."""
+
+
+def releaser(params: dict, donate: bool) -> Callable[[Any], None]:
+    """`release(x)`: with `donate`, delete x if it is one of `params`' device arrays (the caller
+    gave the engine its weights); a no-op otherwise. Why: the plan's layout (padding, fused
+    projections, f32 CPU copies, TP shards) is a second copy of most weights, and a model near
+    the device's size (an MoE of 61 GB on a 141 GB GPU) does not fit twice. Each step of
+    `prepare_params` releases a weight as soon as its replacement exists, so the peak is the
+    model plus one weight's new copy. Arrays that alias a kept buffer are never passed here."""
+    if not donate:
+        return _keep
+    own = {id(x) for x in jax.tree_util.tree_leaves(params)
+           if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)}  # fmt: skip
+
+    def release(x: Any) -> None:
+        if id(x) in own and not x.is_deleted():
+            x.delete()
+
+    return release
+
+
+def shares_buffer(old: Any, new: Any) -> bool:
+    """Whether `new` (a placed copy of `old`) holds `old`'s own device buffer: jax.device_put
+    onto an equivalent placement aliases instead of copying, and deleting `old` would then
+    delete `new`'s data too."""
+    if not isinstance(old, jax.Array) or not isinstance(new, jax.Array):
+        return False
+    ptrs = {s.data.unsafe_buffer_pointer() for s in old.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in ptrs for s in new.addressable_shards)
 
 
 def _on_host(x: Any) -> bool:
@@ -218,7 +272,7 @@ def _transposed(x: Any) -> Any:
     return x.T
 
 
-def fuse_projections(params: dict, tp: int) -> dict:
+def fuse_projections(params: dict, tp: int, release: Callable[[Any], None] | None = None) -> dict:
     """One q|k|v weight (`wqkv`) and one gate|up weight (`w_gate_up`) per layer, laid out so that
     shard r of `tp` holds [q_r | k_r | v_r] and [gate_r | up_r]: two matmul launches per layer
     instead of five, and the narrow k/v projections (N = K*E, 8 CTAs at batch 1) ride on q's.
@@ -236,6 +290,8 @@ def fuse_projections(params: dict, tp: int) -> dict:
         lead = parts[0].shape[:-1]
         blocks = [w.reshape(*lead, tp, w.shape[-1] // tp) for w in parts]
         fused = jnp.concatenate(blocks, axis=-1)
+        for w in parts:
+            (release or _keep)(w)
         return fused.reshape(*lead, fused.shape[-2] * fused.shape[-1])
 
     layers["wqkv"] = cat(("wq", "wk", "wv"))
@@ -257,15 +313,21 @@ def prepare_params(
     ffn_multiple: int | None = None,
     fuse: bool | None = None,
     blocked: bool = False,
+    donate: bool = False,
 ) -> dict:
     """Host-side layout for `tp` devices: pad (TP-independent), replicate kv heads if needed,
     fuse q|k|v and gate|up (`fuse_projections`; default `fuse_default()`), and hold the matmul
-    weights as the kernels take them (`matmul_weights`; `blocked`: "tp" mode at tp = 1 only)."""
+    weights as the kernels take them (`matmul_weights`; `blocked`: "tp" mode at tp = 1 only).
+    `donate`: free each of the caller's arrays once its replacement exists (`releaser`); the
+    ones the layout keeps as they are stay shared with the result."""
     if blocked and tp != 1:
         raise ValueError(f"blocked weights are laid out for one device, not tp={tp}")
     check_heads(cfg, tp)
-    p = expand_kv_heads(pad_params(params, cfg, ffn_multiple=ffn_multiple), cfg, tp)
-    p = fuse_projections(p, tp) if (fuse_default() if fuse is None else fuse) else p
+    release = releaser(params, donate)
+    p = pad_params(params, cfg, ffn_multiple=ffn_multiple, release=release)
+    p = expand_kv_heads(p, cfg, tp, release=release)
+    p = fuse_projections(p, tp, release) if (fuse_default() if fuse is None else fuse) else p
+    # not released here: the CPU's f32 copies may be numpy views of the weights until placed
     return matmul_weights(p, blocked=blocked, ffn=cfg.intermediate_size)
 
 

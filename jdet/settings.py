@@ -60,6 +60,12 @@ class EngineConfig:
         "dots, with a 1-token bucket below it for batch-1 decode; 16 elsewhere; set it: no "
         "1-token bucket; raise it: fewer compiles)",
     )  # fmt: skip
+    donate_weights: bool = _opt(
+        False, "let the engine free the model's weight arrays it lays out anew (padding, "
+        "fusing, TP shards) as it copies them, so a model near the device's memory is never "
+        "held twice; the Model passed in cannot run afterwards (compute its weights_hash "
+        "first if it is to be fingerprinted)",
+    )  # fmt: skip
     min_seqs_bucket: int = _opt(1, "smallest padded sequence count")
     min_pages_bucket: int = _opt(32, "smallest padded page-table width")
     compile_cache: bool | str = _opt(

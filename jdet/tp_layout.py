@@ -11,10 +11,15 @@ read, as real deployments do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from jdet.config import ModelConfig
+from pallas_kernels._platform import matmul_weight_dtype
+from pallas_kernels.tree_matmul import tree_plan
 
 MAX_TP = 8  # largest TP size the padded weights are laid out for (see jdet/plan.py pad_params)
 
@@ -53,14 +58,54 @@ def check_heads(cfg: ModelConfig, tp: int) -> None:
         )
 
 
+def ffn_padded(f: int, dtype: Any) -> int:
+    """An FFN width as jdet/plan.py `pad_params` pads it: to a multiple of the tree kernel's
+    block_k x MAX_TP, so every TP size splits it into whole subtrees."""
+    m = tree_plan(f, jnp.dtype(dtype)).block_k * MAX_TP
+    return -(-f // m) * m
+
+
+def check_tree_shards(cfg: ModelConfig, tp: int, dtype: Any) -> None:
+    """Raise ValueError, naming the dimension, unless every row-parallel input width (o_proj's,
+    the FFN's and the experts' down_proj, padded as the plan pads them) can be cut into `tp`
+    whole subtrees of its reduction tree, as the "tp" mode's tree kernel needs. `dtype`: the
+    weights' (the kernel's tree follows the dtype it holds them in)."""
+    if tp == 1:
+        return
+    wdt = jnp.dtype(matmul_weight_dtype(dtype))
+    c = cfg
+    widths = [(f"o_proj's input width {c.q_size} ({c.num_heads} query heads x head_dim "
+               f"{c.head_dim})", c.q_size)]  # fmt: skip
+    if c.dense_layers:
+        widths.append((f"down_proj's input width (intermediate_size {c.intermediate_size}, "
+                       "padded)", ffn_padded(c.intermediate_size, dtype)))  # fmt: skip
+    if c.is_moe:
+        widths.append(("the experts' down_proj input width (moe_intermediate_size "
+                       f"{c.moe_intermediate_size}, padded)",
+                       ffn_padded(c.moe_intermediate_size, dtype)))  # fmt: skip
+    for what, k in widths:
+        t = tree_plan(k, wdt)
+        whole = k == t.num_tiles * t.block_k
+        if tp > t.num_leaves or not whole:
+            raise ValueError(
+                f"tp={tp} cannot split {what}: invariance='tp' reduces it in a tree of "
+                f"{t.num_leaves} leaves of {t.leaf_k} columns ({wdt.name} weights) and each "
+                f"device must hold whole leaves; use tp <= {t.num_leaves if whole else 1}, or "
+                "invariance='batch' (not TP-invariant)"
+            )
+
+
 def kv_heads_in_cache(cfg: ModelConfig, tp: int) -> int:
     """Global kv-head count of the sharded cache: K, or tp when kv heads are replicated."""
     check_heads(cfg, tp)
     return max(cfg.num_kv_heads, tp)
 
 
-def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """Replicate kv heads (wk, wv, bk, bv) tp/K times when tp > K; identity otherwise."""
+def expand_kv_heads(
+    params: dict, cfg: ModelConfig, tp: int, release: Callable[[Any], None] | None = None
+) -> dict:
+    """Replicate kv heads (wk, wv, bk, bv) tp/K times when tp > K; identity otherwise.
+    `release` (jdet/plan.py `releaser`) is called on each weight replaced."""
     K, E = cfg.num_kv_heads, cfg.head_dim
     r = kv_heads_in_cache(cfg, tp) // K
     if r == 1:
@@ -71,5 +116,7 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
         lead = w.shape[:-1]
         w = w.reshape(*lead, K, 1, E)
         w = jnp.broadcast_to(w, (*lead, K, r, E)).reshape(*lead, K * r * E)
+        if release is not None:
+            release(layers[name])
         layers[name] = w
     return {**params, "layers": layers}

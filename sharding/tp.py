@@ -36,7 +36,15 @@ from jdet.batch import StepBatch
 from jdet.config import ModelConfig
 from jdet.kv_cache import init_kv_cache, storage_dtype
 from jdet.ops import Ops
-from jdet.plan import Plan, cpu_devices, fuse_default, prepare_params, row_partial_kernel
+from jdet.plan import (
+    Plan,
+    cpu_devices,
+    fuse_default,
+    prepare_params,
+    releaser,
+    row_partial_kernel,
+    shares_buffer,
+)
 from jdet.sampling import SampleOut, SamplingInputs
 from jdet.step import jit_step, logits_body, score_body, step_body
 from jdet.tp_layout import check_heads, kv_heads_in_cache
@@ -77,19 +85,35 @@ def shard_params(
     ffn_multiple: int | None = None,
     fuse: bool | None = None,
     blocked: bool = False,
+    donate: bool = False,
 ) -> dict:
     """Pad, replicate kv heads as the mesh needs, fuse, hold the matmul weights as the kernels
     take them (jdet/plan.py `prepare_params`; `blocked`: Plan.blocked), and place every weight
-    by its partition spec."""
-    p = prepare_params(
-        params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse, blocked=blocked
-    )
+    by its partition spec. `donate`: the caller's arrays are freed as their replacements are
+    made (jdet/plan.py `releaser`), so the weights are never held twice; the caller's params
+    must not be used afterwards."""
+    p = prepare_params(params, cfg, tp_size(mesh), ffn_multiple=ffn_multiple, fuse=fuse,
+                       blocked=blocked, donate=donate)  # fmt: skip
     if tp_size(mesh) > 1 and cpu_devices(mesh.devices.flat):
         # Split on the host: placing a jax.Array on a split sharding compiles one slicing
         # program per weight shape and spec (JAX's `_multi_slice`: 22 compiles for TP 2/4/8 of
         # the tiny test model); from numpy the shards are host slices of the same bytes.
         p = jax.tree.map(np.asarray, p)
-    return jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
+    placed = jax.device_put(p, named(mesh, param_partition_specs(p, cfg)))
+    if donate:  # the caller's arrays the layout kept, now copied onto the mesh's shards
+        release = releaser(params, donate)
+        new = {id(x) for x in jax.tree_util.tree_leaves(placed)}
+        for old in jax.tree_util.tree_leaves(params):
+            if id(old) not in new and not _aliased(old, placed):
+                release(old)
+    return placed
+
+
+def _aliased(old: Any, placed: dict) -> bool:
+    """Whether any placed weight holds `old`'s buffer (jdet/plan.py `shares_buffer`)."""
+    if not isinstance(old, jax.Array) or old.is_deleted():
+        return True
+    return any(shares_buffer(old, x) for x in jax.tree_util.tree_leaves(placed))
 
 
 def init_tp_kv_cache(
@@ -200,13 +224,17 @@ class TPRuntime:
     init_kv: Callable
 
 
-def make_tp_runtime(params: dict, cfg: ModelConfig, tp: int, invariance: str = "tp") -> TPRuntime:
-    """Mesh of the first `tp` devices, weights padded and placed, jitted step and score."""
+def make_tp_runtime(
+    params: dict, cfg: ModelConfig, tp: int, invariance: str = "tp", donate: bool = False
+) -> TPRuntime:
+    """Mesh of the first `tp` devices, weights padded and placed, jitted step and score.
+    `donate`: as `shard_params` (the caller's params are consumed)."""
+    plan = Plan(cfg, invariance, tp)  # validates heads, mode and TP size
+    plan.check_tree_shards(jax.tree_util.tree_leaves(params)[0].dtype)
     mesh = make_tp_mesh(tp)
-    check_heads(cfg, tp)
     return TPRuntime(
         mesh=mesh,
-        params=shard_params(params, cfg, mesh, blocked=Plan(cfg, invariance, tp).blocked),
+        params=shard_params(params, cfg, mesh, blocked=plan.blocked, donate=donate),
         step=make_tp_step(cfg, invariance, mesh),
         score=make_tp_score(cfg, invariance, mesh),
         init_kv=functools.partial(init_tp_kv_cache, cfg, mesh),

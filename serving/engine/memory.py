@@ -173,10 +173,24 @@ def size_pool(
                 + "; lower max_model_len or max_num_batched_tokens, raise "
                 "gpu_memory_utilization, or split the model over more devices (tp); JAX's own "
                 "limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (default 0.75)"
+                + (DONATE_HINT if _two_copies(runner) else "")
             )
         max_model_len = fits
         runner.set_max_model_len(fits)
     return num_pages, max_model_len, budget
+
+
+DONATE_HINT = (
+    "; the engine's own layout of the weights sits beside the model's: donate_weights=True "
+    "frees the model's copy"
+)
+
+
+def _two_copies(runner: Any) -> bool:
+    """Whether the runner laid the weights out anew (a mesh) and the caller kept its copy."""
+    return getattr(runner, "_mesh", None) is not None and not getattr(
+        runner.config, "donate_weights", False
+    )
 
 
 def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:

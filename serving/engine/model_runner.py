@@ -94,7 +94,8 @@ class ModelRunner:
         if sharded and step_fn is None:
             # tensor parallel: weights padded and placed on a mesh of `tp` devices, the KV cache
             # split over kv heads, step/score under shard_map (sharding/tp.py)
-            rt = make_tp_runtime(model.params, self.cfg, tp, invariance)
+            rt = make_tp_runtime(model.params, self.cfg, tp, invariance,
+                                 donate=config.donate_weights)  # fmt: skip
             replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
             self.params = rt.params
             self._init_kv = lambda n: rt.init_kv(n, page_size, self.kv_dtype)

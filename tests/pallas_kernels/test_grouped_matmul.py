@@ -165,3 +165,31 @@ def test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(fn)
     alone = np.stack([run([p])[0] for p in probe])
     assert np.isfinite(crowd).all()
     assert np.array_equal(alone, crowd[probe])
+
+
+def _split_by_group_size_per_tile(xs, w, tiles, backend=None):
+    """`_split_by_group_size` per tile instead of per row (the weights gathered once a tile, so
+    model shapes fit a GPU): K in 8 f32 partial sums when the tile's group has >= 16 rows."""
+    del backend
+    t, bm = tiles.tile_group.shape[0], tiles.block_m
+    g = jnp.maximum(tiles.tile_group, 0)
+    wt, xt = w[g], xs.reshape(t, bm, -1)
+    whole = jnp.einsum("tmk,tkn->tmn", xt, wt, preferred_element_type=jnp.float32)
+    parts = jnp.einsum("tmck,tckn->tcmn", xt.reshape(t, bm, 8, -1),
+                       wt.reshape(t, 8, -1, wt.shape[-1]),
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    split = parts[:, 0]
+    for c in range(1, 8):
+        split = split + parts[:, c]
+    many = (tiles.group_sizes[g] >= 16)[:, None, None]
+    return jnp.where(many, split, whole).reshape(t * bm, -1)
+
+
+@pytest.mark.gpu
+def test_gpu_negative_control_split_by_rows_per_group_changes_row_bits_at_model_shapes():
+    """The model-shape test's harness can fail: a kernel whose split of K follows the rows
+    per group gives the probes other bits alone than among 500 rows of their expert."""
+    with pytest.raises(AssertionError):
+        test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(
+            _split_by_group_size_per_tile
+        )
