@@ -14,16 +14,18 @@
 # Writes $OUT/notebooks/NN_*.ipynb, $OUT/logs/NN_*.log (each cell's time and any traceback) and
 # $OUT/logs/summary.txt. Exit status 1 if any notebook failed or timed out.
 # Environment: OUT (default ./nb_out); NB_TIMEOUT seconds per notebook (default 540); JDET_NB_COMMIT
-# (the commit the notebooks state: a copy of the tree without .git cannot find it); anything else
-# (JDET_NB_USER_BENCH for 06, XLA_*) passes through. Each notebook compiles into its own cache,
-# $JDET_NB_CACHE/NN (default /tmp/jdet-nb-cache/NN): no two processes write one cache, and a second
-# run on a still-warm machine loads what the first compiled.
+# (the commit the notebooks state: a copy of the tree without .git cannot find it); PYTHON, the
+# interpreter (default python3); anything else (JDET_NB_USER_BENCH for 06, XLA_*) passes through.
+# Each notebook compiles into its own cache, $JDET_NB_CACHE/NN (default /tmp/jdet-nb-cache/NN): no
+# two processes write one cache, and a second run on a still-warm machine loads what the first
+# compiled.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./nb_out}
 NB_TIMEOUT=${NB_TIMEOUT:-540}
 CACHE=${JDET_NB_CACHE:-/tmp/jdet-nb-cache}
 mkdir -p "$OUT/notebooks" "$OUT/logs"
+nvidia-smi >"$OUT/logs/nvidia-smi.txt" 2>&1 || true
 if [ $# -eq 0 ]; then
     echo "usage: bash notebooks/run_gpu.sh NN[=GPU,GPU...] ...  (e.g. 03 04 05 02=0,1,2,3)" >&2
     exit 2
@@ -34,6 +36,7 @@ if [ -z "${JDET_NB_COMMIT:-}" ]; then
 fi
 export JDET_NB_COMMIT JDET_NB_SCALE=gpu MPLBACKEND=Agg PYTHONUNBUFFERED=1
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-$(command -v python3 || command -v python)}  # the GPU image has python3, maybe no `python`
 
 taken=","
 for spec in "$@"; do
@@ -61,7 +64,7 @@ for spec in "$@"; do
     (
         t0=$(date +%s)
         CUDA_VISIBLE_DEVICES=$dev JDET_CACHE_DIR="$CACHE/$num" \
-            timeout -k 15 "$NB_TIMEOUT" python notebooks/execute.py "$path" "$OUT/notebooks/$name.ipynb" \
+            timeout -k 15 "$NB_TIMEOUT" "$PY" notebooks/execute.py "$path" "$OUT/notebooks/$name.ipynb" \
             >"$OUT/logs/$name.log" 2>&1
         echo "$? $(($(date +%s) - t0))" >"$OUT/logs/$name.rc"
     ) &
