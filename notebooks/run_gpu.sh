@@ -16,9 +16,9 @@
 # Environment: OUT (default ./nb_out); NB_TIMEOUT seconds per notebook (default 540); JDET_NB_COMMIT
 # (the commit the notebooks state: a copy of the tree without .git cannot find it); PYTHON, the
 # interpreter (default python3); anything else (JDET_NB_USER_BENCH for 06, XLA_*) passes through.
-# Each notebook compiles into its own cache, $JDET_NB_CACHE/NN (default /tmp/jdet-nb-cache/NN): no
-# two processes write one cache, and a second run on a still-warm machine loads what the first
-# compiled.
+# Each notebook compiles into its own cache, $JDET_NB_CACHE/<notebook> (default under
+# /tmp/jdet-nb-cache): no two processes write one cache, and a second run on a still-warm machine
+# loads what the first compiled.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./nb_out}
@@ -43,8 +43,8 @@ for spec in "$@"; do
     case $spec in *=*) taken="$taken${spec#*=}," ;; esac
 done
 next=0
-names=() gpus=()
-for spec in "$@"; do
+names=() paths=() gpus=()
+for spec in "$@"; do  # every argument checked before anything starts
     num=${spec%%=*}
     path=$(ls notebooks/"$num"_*.ipynb 2>/dev/null | head -n 1)
     if [ -z "$path" ]; then
@@ -53,22 +53,27 @@ for spec in "$@"; do
     fi
     if [ "$spec" != "$num" ]; then
         dev=${spec#*=}
+    elif [ "$num" = 02 ]; then
+        echo "notebook 02 runs TP 2 and 4 and needs several GPUs: name them, e.g. 02=0,1,2,3" >&2
+        exit 2
     else
         while [[ $taken == *",$next,"* ]]; do next=$((next + 1)); done
         dev=$next
         next=$((next + 1))
     fi
-    name=$(basename "$path" .ipynb)
-    mkdir -p "$CACHE/$num"
-    echo "== $name on GPU(s) $dev, timeout ${NB_TIMEOUT} s, commit ${JDET_NB_COMMIT:-unknown}"
+    names+=("$(basename "$path" .ipynb)") paths+=("$path") gpus+=("$dev")
+done
+for i in "${!names[@]}"; do
+    name=${names[$i]}
+    mkdir -p "$CACHE/$name"
+    echo "== $name on GPU(s) ${gpus[$i]}, timeout ${NB_TIMEOUT} s, commit ${JDET_NB_COMMIT:-unknown}"
     (
         t0=$(date +%s)
-        CUDA_VISIBLE_DEVICES=$dev JDET_CACHE_DIR="$CACHE/$num" \
-            timeout -k 15 "$NB_TIMEOUT" "$PY" notebooks/execute.py "$path" "$OUT/notebooks/$name.ipynb" \
+        CUDA_VISIBLE_DEVICES=${gpus[$i]} JDET_CACHE_DIR="$CACHE/$name" \
+            timeout -k 15 "$NB_TIMEOUT" "$PY" notebooks/execute.py "${paths[$i]}" "$OUT/notebooks/$name.ipynb" \
             >"$OUT/logs/$name.log" 2>&1
         echo "$? $(($(date +%s) - t0))" >"$OUT/logs/$name.rc"
     ) &
-    names+=("$name") gpus+=("$dev")
 done
 wait
 
