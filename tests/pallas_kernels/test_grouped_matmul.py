@@ -67,8 +67,11 @@ def _split_by_group_size(xs, w, tiles, backend=None):
     whole = jnp.einsum("pk,pkn->pn", xs, wg, preferred_element_type=jnp.float32)
     parts = jnp.einsum("pck,pckn->pcn", xs.reshape(xs.shape[0], 8, -1),
                        wg.reshape(wg.shape[0], 8, -1, wg.shape[-1]))  # fmt: skip
-    split = parts[:, 0]
-    for c in range(1, 8):
+    # summed last part first: on an H200 a first-to-last sum of these parts had `whole`'s bits
+    # exactly (XLA's GEMM for this small-M, large-K product presumably splits K the same way),
+    # and the control did not fail
+    split = parts[:, 7]
+    for c in range(6, -1, -1):
         split = split + parts[:, c]
     return jnp.where(many, split, whole)
 
@@ -169,7 +172,8 @@ def test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(fn)
 
 def _split_by_group_size_per_tile(xs, w, tiles, backend=None):
     """`_split_by_group_size` per tile instead of per row (the weights gathered once a tile, so
-    model shapes fit a GPU): K in 8 f32 partial sums when the tile's group has >= 16 rows."""
+    model shapes fit a GPU): K in 8 f32 partial sums, added last to first, when the tile's group
+    has >= 16 rows."""
     del backend
     t, bm = tiles.tile_group.shape[0], tiles.block_m
     g = jnp.maximum(tiles.tile_group, 0)
@@ -178,8 +182,11 @@ def _split_by_group_size_per_tile(xs, w, tiles, backend=None):
     parts = jnp.einsum("tmck,tckn->tcmn", xt.reshape(t, bm, 8, -1),
                        wt.reshape(t, 8, -1, wt.shape[-1]),
                        preferred_element_type=jnp.float32)  # fmt: skip
-    split = parts[:, 0]
-    for c in range(1, 8):
+    # summed last part first: on an H200 a first-to-last sum of these parts had `whole`'s bits
+    # exactly (XLA's GEMM for this small-M, large-K product presumably splits K the same way),
+    # and the control did not fail
+    split = parts[:, 7]
+    for c in range(6, -1, -1):
         split = split + parts[:, c]
     many = (tiles.group_sizes[g] >= 16)[:, None, None]
     return jnp.where(many, split, whole).reshape(t * bm, -1)
