@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from jdet import compile_cache
 from jdet.exec_key import entry_key, key_parts
 from serving.engine.shapes import kv_pool, model_len_limit
 
+_log = logging.getLogger(__name__)
 GiB = 1 << 30
 # What no measurement covers (module docstring): the allocator's fragmentation and small buffers.
 HEADROOM_BYTES = 1 * GiB
@@ -205,6 +207,7 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
     smaller. A failed try's arrays are deleted at once: the error's traceback holds them in a
     reference cycle, which only the cyclic collector would free, so without the delete each try
     kept its pool and the next, smaller one failed too until nothing fitted."""
+    tries: list[str] = []  # what each try met: the error names them all
     for _ in range(40):
         try:
             runner.allocate_kv(num_pages)
@@ -212,16 +215,25 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
             free = largest_free_block()
             if free is None or free >= keep_free:
                 return num_pages
+            tries.append(f"{num_pages} pages: allocated, then a largest free block of "
+                         f"{free / GiB:.2f} GiB")  # fmt: skip
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
+            tries.append(f"{num_pages} pages: {str(e).strip().splitlines()[0][:200]}")
+        _log.warning("KV pool try %d: %s; freed, trying 10 %% smaller", len(tries), tries[-1])
         free_pool(runner)
         num_pages = int(num_pages * 0.9)
         if num_pages < 1:
             break
+    stats = jax.local_devices()[0].memory_stats() or {}
+    keys = ("bytes_in_use", "largest_free_block_bytes", "bytes_limit")
+    now = ", ".join(f"{k} {int(stats[k]) / GiB:.2f} GiB" for k in keys if k in stats)
+    shown = tries if len(tries) <= 4 else [*tries[:3], "...", tries[-1]]
     raise MemoryError(
         f"no KV pool fits beside the weights with a {keep_free / GiB:.2f} GiB block left for "
-        f"the step: the device's free memory is too fragmented or too small"
+        f"the step: the device's free memory is too fragmented or too small. {len(tries)} tries: "
+        + "; ".join(shown) + f". Now: {now}"
     )
 
 

@@ -125,3 +125,26 @@ def test_a_failed_try_frees_its_pool_before_the_next_smaller_one(monkeypatch):
     assert len(made) == 8
     assert all(a.is_deleted() for kv in made[:-1] for a in kv.values())
     assert not any(a.is_deleted() for a in runner.kv.values())
+
+
+def test_a_pool_that_never_fits_names_every_try_in_its_error(monkeypatch):
+    """When no try fits, the error says what each met (the allocator's error, or the free block
+    left beside an allocated pool), so a failure on a GPU explains itself."""
+    import jax
+    import jax.numpy as jnp
+
+    class Runner:
+        kv = None
+
+        def allocate_kv(self, num_pages):
+            self.kv = {"k": jnp.zeros(4), "v": jnp.zeros(4)}
+            if num_pages > 5:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating")
+
+    monkeypatch.setattr(memory, "largest_free_block", lambda: 1 << 20)  # 1 MiB: never enough
+    with pytest.raises(MemoryError) as err:
+        memory.allocate_to_fit(Runner(), 10, keep_free=1 << 30)
+    msg = str(err.value)
+    assert "10 pages: RESOURCE_EXHAUSTED: Out of memory allocating" in msg
+    assert "1 pages: allocated, then a largest free block of 0.00 GiB" in msg  # the last try
+    assert "10 tries:" in msg  # 10, 9, ..., 2, 1 pages, then 0 stops it
