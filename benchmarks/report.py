@@ -40,12 +40,15 @@ def _ok(rec: dict, part: str) -> list[dict]:
 
 
 def _failed(rec: dict, part: str) -> list[str]:
-    """A line naming the rows of `part` that recorded an error instead of a figure, if any."""
+    """A line naming the rows of `part` that recorded an error instead of a figure, if any: their
+    settings where they have some, and the first error's last line."""
     bad = [r for r in rec.get(part, []) if "error" in r]
     if not bad:
         return []
     first = bad[0]["error"].strip().splitlines()[-1][:160] if bad[0]["error"].strip() else "?"
-    return ["", f"`{part}`: {len(bad)} row(s) not measured (first error: `{first}`)."]
+    which = [json.dumps(r["settings"]) for r in bad if r.get("settings")]
+    named = f" ({', '.join(f'`{w}`' for w in which)})" if which else ""
+    return ["", f"`{part}`: {len(bad)} row(s) not measured{named}; first error: `{first}`."]
 
 
 def _torch(rec: dict) -> dict[int, dict]:
@@ -130,6 +133,8 @@ def user_start(rec: dict) -> list[str]:
                      str(r["executables"]), str(loads)])  # fmt: skip
     head = ["start", "engine s", "warm-up + first token s", "ready s (weights placed → token)",
             "executables", "executable-cache loads"]  # fmt: skip
+    if not rows:
+        return [_source(rec), "", "Not measured in this run.", *_failed(rec, "start")]
     return [_source(rec), "", *_table(head, rows), *_failed(rec, "start")]
 
 
