@@ -217,23 +217,25 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     entries, files = {}, sorted((cache / "exec").glob("*.jdetexe"))
     for f in files:
         entries[json.loads(pickle.loads(f.read_bytes())["parts"])["fn"].split("_")[-1]] = f
-    # one shape each in this set; the step in each sampler variant
-    # (serving/engine/sampler_variants.py), or on a CPU its forward, one for every variant (the
-    # sampler apart, in XLA's cache: serving/engine/host_inputs.py `SplitStep`)
+    # one shape each in this set: the step in each sampler variant
+    # (serving/engine/sampler_variants.py), or split (serving/engine/host_inputs.py `SplitStep`)
+    # one forward for every variant and a sampler for each
     split = split_step_here()
-    n_step = 1 if split else len(sampler_variants.engine_variants())
-    step = "forward" if split else "step"
-    assert sorted(entries) == sorted(["score", step]) and len(files) == n_step + 1
+    variants = len(sampler_variants.engine_variants())
+    n_step = 1 + variants if split else variants
+    names = ["forward", "sampler"] if split else ["step"]
+    assert sorted(entries) == sorted(["score", *names]) and len(files) == n_step + 1
     entries["score"].write_bytes(b"corrupt")
     warm = result(start(str(cache)))
     assert cold["hits"] == 0 and off["hits"] == 0
     # the restart compiled nothing: every executable came from a cache
     assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
-    # ... and traced no step: its executable came from jdet's cache (the cold start traced it).
-    # On a CPU the score is the step's forward, a jit named `step` (serving/engine/host_inputs.py
-    # `SplitScore`): there the corrupt score entry below is its one trace
+    # ... and traced no step and no sampler: their executables came from jdet's cache (the cold
+    # start traced them). Split, the score is the step's forward, a jit named `step`
+    # (`SplitScore`): there the corrupt score entry below is its one trace
     assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == n_step + 1
     assert warm["traced"].get("step", 0) == (1 if split else 0)
+    assert warm["traced"].get("sampler", 0) == 0
     assert warm["exec"]["loads"] == n_step
     # the corrupt score entry: a warning, a compile (an XLA cache hit), the entry rewritten
     # (on a CPU the entry is not rewritten: an executable JAX's persistent cache loaded fails
