@@ -125,3 +125,32 @@ def test_a_failed_try_frees_its_pool_before_the_next_smaller_one(monkeypatch):
     assert len(made) == 8
     assert all(a.is_deleted() for kv in made[:-1] for a in kv.values())
     assert not any(a.is_deleted() for a in runner.kv.values())
+
+
+def test_a_deleted_llm_leaves_none_of_its_device_arrays(serving_model):
+    """A second engine in one process sizes its pool from what the device has free, so the
+    first must hand back all of its memory when it is deleted: weights it placed, the KV pool,
+    sampling rows, executables' arguments. The control: while it lives, its arrays are live."""
+    import gc
+
+    import jax
+
+    import jdet
+
+    def new_arrays() -> list:
+        return [a for a in jax.live_arrays() if id(a) not in before]
+
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    llm = jdet.LLM(serving_model, num_pages=48, **SETTINGS)
+    llm.generate([[5, 6, 7, 8], [9, 10]], jdet.SamplingParams(max_tokens=4, temperature=0.0))
+    llm.generate([[5, 6, 7]], jdet.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9,
+                                                  seed=1, logprobs=2))  # fmt: skip
+    llm.score([[5, 6, 7, 8, 9]])
+    pool = llm.engine.runner.kv["k"]
+    held = new_arrays()
+    assert any(a is pool for a in held)  # the control: the check sees a live engine's arrays
+    del llm, pool, held
+    gc.collect()
+    left = new_arrays()
+    assert not left, [(a.shape, a.dtype) for a in left]
