@@ -6,12 +6,15 @@ Rows (start_bench.json; random bf16 weights of the named shape, `jdet.LLM(model)
 - start, cold and warm: a fresh process builds the engine and generates one token (warm-up of
   every step shape included), first on an empty cache directory, then on the one it wrote
   (jdet's executable cache); seconds to the engine and to the token, executables made, the
-  cache's loads and writes, and the engine build's most expensive calls (cProfile, cumulative);
+  cache's loads and writes;
 - step, split and fused: in one more process on the warm cache, batch-1 greedy decode ms/token
   through `LLM.generate` (ctx 1024) with the step as two programs (the default) and as one
-  (`$JDET_FUSED_STEP=1`, shapes compiled as met), the two engines one after the other;
+  (`$JDET_FUSED_STEP=1`, shapes compiled as met), the two engines one after the other; the
+  first engine's build (a restart's, on the warm cache) under cProfile: its costliest calls;
 - second engine: between them, the device arrays and bytes the deleted first engine left, and
-  the second engine's pool against the first's (a holder of the first's memory shrinks it);
+  the second engine's pool against the first's (a holder of the first's memory shrinks it). On
+  a CPU a bf16 model's weights keep a copy of each matmul weight that the engine's host-side
+  layout read through `np.asarray` (JAX's own cache, freed with the model, not the engine);
 - failed tries: the second engine's pool re-allocated from twice its pages
   (serving/engine/memory.py `allocate_to_fit`): the tries that fail must free their arrays, so
   it ends within 10 % of the pages that fit.
@@ -53,10 +56,7 @@ def _start_child(shape: str, max_len: int) -> None:
     model = _model(shape, max_len)
     jax.block_until_ready(model.params)
     t1 = time.perf_counter()
-    prof = cProfile.Profile()
-    prof.enable()
     llm = jdet.LLM(model)
-    prof.disable()
     t2 = time.perf_counter()
     llm.generate([[1, 2, 3, 4]], jdet.SamplingParams(max_tokens=1, temperature=0.0))
     t3 = time.perf_counter()
@@ -65,7 +65,7 @@ def _start_child(shape: str, max_len: int) -> None:
         llm, part="start", import_and_weights_s=t1 - t0, engine_s=t2 - t1,
         first_token_after_engine_s=t3 - t2, ready_s=t3 - t1, step=type(runner.step_fn).__name__,
         shapes=len(runner.shapes.all()), variants=len(runner.variants),
-        exec_cache=exec_cache.stats(), engine_calls=_top_calls(prof))), flush=True)  # fmt: skip
+        exec_cache=exec_cache.stats())), flush=True)  # fmt: skip
 
 
 def _budget(llm: Any) -> str | None:
@@ -93,10 +93,16 @@ def _step_child(shape: str, max_len: int, smoke: bool) -> None:
     model = _model(shape, max_len)
     steps, ctx = (8, 64) if smoke else (128, 1024)
     base = _device_state()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
     llm = jdet.LLM(model)
+    prof.disable()
+    engine_s = time.perf_counter() - t0
     ms, _ = _decode_ms(llm, ctx, np.random.default_rng(0), steps=steps)
     first = _engine_row(llm, part="step", step="split", ctx=ctx, decode_ms=ms,
-                        budget=_budget(llm))  # fmt: skip
+                        budget=_budget(llm), profiled_engine_s=engine_s,
+                        engine_calls=_top_calls(prof))  # fmt: skip
     print(json.dumps(first), flush=True)
     del llm
     gc.collect()
