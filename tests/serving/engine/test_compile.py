@@ -278,3 +278,39 @@ def test_shape_set_is_bounded_and_covers_every_step():
         s.fit(513, 1, 1)
     with pytest.raises(ValueError, match="min_pages_bucket must be >= 1"):
         ShapeSet.build(max_num_batched_tokens=8, max_num_seqs=8, max_pages=8, min_pages_bucket=0)
+
+
+def test_after_warmup_every_sampler_call_runs_its_warmed_executable(serving_model):
+    """Warm-up makes each sampler from the logits' shape and placement alone (host_inputs.py
+    `SplitStep.warm`), never running the forward: if that stand-in differed from the forward's
+    real output, every step would miss the executable and run the plain jit (a trace per
+    process). Control: with the warmed executables dropped, the same call runs the plain jit."""
+    from jdet.exec_cache import CachedFn
+
+    llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True)
+    sampler = getattr(llm.engine.runner.step_fn, "sampler", None)
+    if not isinstance(sampler, CachedFn):
+        pytest.skip("the step is one program, or the executable cache is off")
+
+    class Spy:
+        def __init__(self, fn):
+            self.fn, self.calls = fn, 0
+
+        def __call__(self, *a):
+            self.calls += 1
+            return self.fn(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+    sampler.fn = spy = Spy(sampler.fn)
+    sp = [jdet.SamplingParams(max_tokens=4, temperature=0.0),
+          jdet.SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, logprobs=2)]
+    want = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9]], sp)  # warm-up, then the requests
+    assert spy.calls == 0
+    sampler._exes.clear()  # the control
+    got = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9]], sp)
+    assert spy.calls > 0
+    for w, g in zip(want, got, strict=True):  # and the plain jit gives the same bits
+        assert w.outputs[0].token_ids == g.outputs[0].token_ids
+        assert np.array_equal(w.outputs[0].logprobs, g.outputs[0].logprobs)
