@@ -30,13 +30,24 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.user_bench import _child_rows, _decode_ms, _engine_row, _model, environment
+from benchmarks.user_bench import _decode_ms, _engine_row, _model, environment
+
+
+def _child_rows(cmd: list[str], part: str, env: dict) -> list[dict]:
+    """The JSON rows a fresh process printed, and a row with its stderr's tail if it failed
+    (a run that dies halfway keeps what it measured and says why it stopped)."""
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not rows:
+        rows.append({"part": part, "returncode": p.returncode, "error": p.stderr[-3000:]})
+    return rows
 
 
 def _top_calls(prof: cProfile.Profile, n: int = 30) -> list[str]:
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("JDET_FUSED_STEP", None)
         runs = [("start", "cold"), ("start", "warm"), ("step", "warm")]
         for child, which in runs:
-            for row in _child_rows([*me, "--child", child], {"part": child}, env):
+            for row in _child_rows([*me, "--child", child], child, env):
                 result["rows"].append({**row, "cache": which})
                 print(json.dumps(result["rows"][-1])[:3000], flush=True)
             (out / "start_bench.json").write_text(json.dumps(result, indent=1, default=str))
