@@ -82,8 +82,9 @@ def warmup(
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
     # Every shape in the first variant before any in the next: a step of two programs
     # (host_inputs.py `SplitStep`) shares the forward between variants, so the threads compile
-    # distinct forwards first and the later variants find theirs made (or wait for it).
-    shapes = [(s, v) for v in variants for s in runner.shapes.all()]  # executables to make
+    # distinct forwards first and the later variants find theirs made (or wait for it). Largest
+    # shapes first: the longest compiles start first, so the last to finish is a short one.
+    shapes = [(s, v) for v in variants for s in reversed(runner.shapes.all())]
     fn = runner.score_step() if kind == "score" else runner.step_fn
     inputs = []
     for shape, variant in shapes:
