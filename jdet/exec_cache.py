@@ -111,35 +111,40 @@ class CachedFn:
     Called like the jitted function. `warm(*args)` (warm-up only) loads the executable of the
     arguments' shape from the cache directory, or compiles it (lower + compile, the XLA cache
     still applies) and writes it there; later calls with that shape run it directly, other
-    shapes the plain jit. Attributes it lacks (`lower`, ...) are the jitted function's."""
+    shapes the plain jit. Attributes it lacks (`lower`, ...) are the jitted function's.
+    `params_first`: the first argument is the weights, checked apart from the shapes (`_sig`);
+    False for a function of activations only (the sampler), whose every argument is keyed.
+    Warm-ups of one shape in several threads compile it once (the others wait for it)."""
 
     def __init__(
-        self, fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path
-    ) -> None:
+        self, fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path,
+        params_first: bool = True,
+    ) -> None:  # fmt: skip
         self.fn = fn
         self.name = name
         self.static = static
         self.devices = list(devices)
         self.directory = Path(directory)
+        self.params_first = params_first
         self._exes: dict[Any, Any] = {}
         self._params: Any = None  # the params object the executables were last checked against
         self._params_sig: Any = None
+        self._shape_locks: dict[Any, threading.Lock] = {}
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.fn, attr)
 
-    @staticmethod
-    def _sig(args: Sequence[Any]) -> Any:
+    def _sig(self, args: Sequence[Any]) -> Any:
         """The in-memory lookup key: the tree, shapes and dtypes of all but the params (checked
         apart). Not the placements: hashing a fresh output's sharding on every step cost more
         than the rest, and an executable never runs on misplaced inputs (a committed array on
         other devices is an error, a host array is placed as the executable wants); the engine's
         placements are fixed when it is built. The disk key does cover placements."""
-        leaves, tree = jax.tree_util.tree_flatten(tuple(args[1:]))
+        leaves, tree = jax.tree_util.tree_flatten(tuple(args[1:] if self.params_first else args))
         return tree, tuple((x.shape, x.dtype) for x in leaves)
 
     def _params_ok(self, params: Any) -> bool:
-        if params is self._params:
+        if not self.params_first or params is self._params:
             return True
         if self._params_sig is not None and args_signature([params]) == self._params_sig:
             self._params = params  # new weights of the same shapes and placement (RL updates)
@@ -162,8 +167,20 @@ class CachedFn:
         if self._params_sig is not None and not self._params_ok(args[0]):
             self._exes.clear()  # other params shapes: the old executables no longer apply
         sig = self._sig(args)
-        if sig in self._exes:
-            return "memory"
+        with _lock:
+            shape_lock = self._shape_locks.setdefault(sig, threading.Lock())
+        with shape_lock:  # another thread warming this shape: wait for its executable
+            if sig in self._exes:
+                return "memory"
+            return self._warm(sig, args)
+
+    def compiled(self, *args: Any) -> Any:
+        """The executable of `args`' shape, warmed first (`warm`): what the engine sizes its
+        memory from (serving/engine/memory.py), the same executable the warm-up then runs."""
+        self.warm(*args)
+        return self._exes[self._sig(args)]
+
+    def _warm(self, sig: Any, args: Sequence[Any]) -> str:
         t0 = time.perf_counter()
         # the function's XLA options (jdet/step.py jit_step): another option set, another
         # executable
@@ -196,7 +213,8 @@ class CachedFn:
             else:
                 self._write(path, parts, exe)
         self._exes[sig] = exe
-        self._params, self._params_sig = args[0], args_signature([args[0]])
+        if self.params_first:
+            self._params, self._params_sig = args[0], args_signature([args[0]])
         return how
 
     def _load(self, path: Path, parts: dict, args: Sequence[Any]) -> Any:
@@ -286,15 +304,17 @@ def evict(directory: Path, max_bytes: int | None = None) -> int:
 
 
 def wrap(
-    fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path | None
-) -> Callable:
+    fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path | None,
+    params_first: bool = True,
+) -> Callable:  # fmt: skip
     """`fn` behind the executable cache in `directory`, or `fn` itself when the cache is off
     (no directory, JDET_EXEC_CACHE=0, or a JAX without executable serialization)."""
     if directory is None or not enabled_by_env() or _serializer() is None:
         return fn
     if not callable(getattr(fn, "lower", None)):
         return fn  # not a jitted function
-    return CachedFn(fn, name=name, static=static, devices=devices, directory=directory)
+    return CachedFn(fn, name=name, static=static, devices=devices, directory=directory,
+                    params_first=params_first)  # fmt: skip
 
 
 def prepare(fn: Callable, *args: Any) -> str | None:

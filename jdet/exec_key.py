@@ -8,6 +8,7 @@ and runtime-code digests of jdet's packages, the environment, and the sha256 of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -55,6 +56,10 @@ def _leaf(x: Any) -> list:
         where = [str(p[0]), list(p[1])] if isinstance(p, tuple) else repr(s)
         mem = getattr(s, "memory_kind", None)
         return [shape, dtype, bool(getattr(x, "weak_type", False)), where, mem]
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:  # a warm-up's stand-in
+        p = _placement(x.sharding, len(shape))
+        where = [str(p[0]), list(p[1])] if isinstance(p, tuple) else repr(x.sharding)
+        return [shape, dtype, bool(x.weak_type), where, getattr(x.sharding, "memory_kind", None)]
     return [shape, dtype, False, type(x).__name__, None]
 
 
@@ -207,8 +212,33 @@ def _abstract_mesh() -> str:
         return "?"
 
 
+_held: list[dict | None] = []  # `held_environment`'s value while one is open
+
+
+@contextlib.contextmanager
+def held_environment() -> Any:
+    """Inside it, `environment()` is computed once and then reused. Why: it digests the code of
+    every traced module (~40 ms of CPU, holding the GIL), and a warm-up keys one entry per step
+    shape and sampler in threads: a few seconds of a restart spent recomputing a value nothing
+    can change while the warm-up runs (it monkeypatches nothing)."""
+    _held.append(None)
+    try:
+        yield
+    finally:
+        _held.pop()
+
+
 def environment() -> dict:
-    """Everything outside the function and its arguments that the key covers."""
+    """Everything outside the function and its arguments that the key covers (computed once
+    inside `held_environment`)."""
+    if _held:
+        if _held[-1] is None:
+            _held[-1] = _environment()
+        return _held[-1]
+    return _environment()
+
+
+def _environment() -> dict:
     dev = jax.devices()[0]
     env = {
         k: v

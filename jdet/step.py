@@ -51,7 +51,7 @@ def score_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None)
 
 
 def logits_body(cfg: ModelConfig, ops: Ops, gather_vocab: Callable | None = None) -> Callable:
-    """step_body without the sampler: (params, kv, batch) -> (kv, f32 logits [N, V]). A CPU
+    """step_body without the sampler: (params, kv, batch) -> (kv, f32 logits [N, V]). An
     engine runs it and the sampler as two executables (serving/engine/host_inputs.py
     `SplitStep`)."""
 

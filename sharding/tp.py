@@ -177,7 +177,7 @@ def tp_logits_body(
     cfg: ModelConfig, ops_mode: str, mesh: jax.sharding.Mesh, **ops_kw: Any
 ) -> tuple[Callable, Ops]:
     """make_tp_step's forward without the sampler, not jitted: ((params, kv, batch) -> (kv,
-    f32 logits [N, V] replicated), its Ops). A CPU engine jits it and runs the sampler apart
+    f32 logits [N, V] replicated), its Ops). An engine jits it and runs the sampler apart
     (serving/engine/host_inputs.py `SplitStep`)."""
     check_heads(cfg, tp_size(mesh))
     ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)

@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -33,7 +35,6 @@ from jax import lax
 
 from jdet import exec_cache
 from jdet.ops import Ops
-from jdet.plan import backend
 from jdet.sampling import sample, token_logprobs
 from jdet.step import SamplingInputs, jit_step, logits_body, xla_options
 from sharding.tp import tp_logits_body
@@ -191,13 +192,19 @@ class PackedStep:
 def split_step_fn(
     cfg: Any, invariance: str, mesh: Any = None
 ) -> tuple[Callable, Callable, Callable]:
-    """A CPU engine's step as two executables, (forward, sampler), one pair per (config, mode):
+    """An engine's step as two executables, (forward, sampler), one pair per (config, mode):
     forward(params, kv, batch, words, layout) -> (kv, f32 logits [N, V]) (the KV cache donated)
     and sampler(logits, sampling, words, layout) -> SampleOut. `SplitStep` runs them in turn.
     The third, logprobs(logits, targets) -> f32 [N], is the sampler's log-softmax alone: with
     the forward it is the engine's score function on a CPU (`SplitScore`).
 
-    Why: on a CPU the full sampler is about half of a step's compile (the tests' tiny Qwen3,
+    Why: the sampler is compiled once per (rows, vocabulary, variant) instead of once per step
+    shape and variant, and each forward shape is traced and compiled once for every variant.
+    On a GPU the step's trace and lowering hold the GIL (~2 s a shape on the 8B model), so
+    an 8B default engine traced 36 steps (18 shapes x 2 variants) before its first token, and 18
+    forwards and a few samplers split; the two programs cost the step nothing measurable (within
+    1.5 %, the same bits: BENCHMARKS.md). On a CPU the full sampler is about half of a step's
+    compile (the tests' tiny Qwen3,
     N = 8, V = 320, "tp": the sampler alone compiles in ~2.1 CPU s, the whole step in ~4-5; XLA
     CPU emits each fusion as its own LLVM module, and the Gumbel draw, top-k/top-p filter and top
     log-probs are many), and in one step program it was compiled again for every step shape
@@ -235,6 +242,8 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
         _, sampling = layout.unpack(words, None, sampling)
         return sample(logits, sampling, ops)
 
+    sampler.jdet_xla_options = opts  # the executable cache keys by it (jdet/exec_cache.py)
+
     @jit
     def logprobs(logits: Any, targets: Any) -> Any:
         return token_logprobs(logits, targets, ops)
@@ -242,11 +251,13 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
     return step, sampler, logprobs
 
 
+FUSED_ENV = "JDET_FUSED_STEP"  # "1": the step as one program (benchmarks compare the two)
+
+
 def split_step_here() -> bool:
-    """Whether an engine's own step runs as `SplitStep`: on a CPU backend. A GPU keeps one
-    program: its sampler compiles once per shape at warm-up anyway, and a second launch per
-    step would cost host and device time."""
-    return backend().cpu
+    """Whether an engine's own step runs as `SplitStep` (`split_step_fn` says why): everywhere,
+    unless `$JDET_FUSED_STEP` is "1" (one program per shape and variant, `packed`)."""
+    return os.environ.get(FUSED_ENV, "0") != "1"
 
 
 @functools.cache
@@ -262,15 +273,20 @@ def _sampling_layout(layout: Layout) -> tuple[int, Layout]:
 
 
 class SplitStep(PackedStep):
-    """`PackedStep` over `split_step_fn`'s pair: the forward (`fn`, possibly behind jdet's
-    executable cache; what `warm` and `lower` see) given the packed words, then the sampler
-    given their sampling tail. Batch-1 greedy decode of the embedded model, the two in one
-    process alternating (load ~7): 168.6 tok/s split, 167.7 as one program (median of 8), the
-    same bits."""
+    """`PackedStep` over `split_step_fn`'s pair: the forward (`fn`; what `lower` sees) given the
+    packed words, then the sampler given their sampling tail, both possibly behind jdet's
+    executable cache (`warm` prepares both: the sampler from the logits' shape and placement,
+    `vocab_size` and `logits_sharding`, without running the forward). Batch-1 greedy decode of
+    the embedded model, the two in one process alternating (load ~7): 168.6 tok/s split, 167.7
+    as one program (median of 8), the same bits."""
 
-    def __init__(self, fn: Callable, sampler: Callable) -> None:
+    def __init__(
+        self, fn: Callable, sampler: Callable, vocab_size: int, logits_sharding: Any
+    ) -> None:
         self.fn = fn
         self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.logits_sharding = logits_sharding
 
     def __call__(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
         batch, sampling, words, layout = pack(batch, sampling)
@@ -279,12 +295,38 @@ class SplitStep(PackedStep):
         return kv, self.sampler(logits, sampling, words[start:], own)
 
     def warm(self, params: Any, kv: Any, batch: Any, sampling: Any) -> str | None:
-        batch, _, words, layout = pack(batch, sampling)
-        return exec_cache.prepare(self.fn, params, kv, batch, words, layout)
+        batch, sampling, words, layout = pack(batch, sampling)
+        how = exec_cache.prepare(self.fn, params, kv, batch, words, layout)
+        exec_cache.prepare(self.sampler, *self._sampler_args(sampling, words, layout))
+        return how
 
     def lower(self, params: Any, kv: Any, batch: Any, sampling: Any) -> Any:
         batch, _, words, layout = pack(batch, sampling)
         return self.fn.lower(params, kv, batch, words, layout)
+
+    def _sampler_args(self, sampling: Any, words: np.ndarray, layout: Layout) -> tuple:
+        """The sampler's arguments for a step of `layout`, the logits as their shape and
+        placement (the forward's output: f32 [N, V], placed as the step's sampled tokens)."""
+        start, own = _sampling_layout(layout)
+        (rows,) = next(shape for _, name, shape, _ in layout.fields if name == "logits_rows")
+        logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32,
+                                      sharding=self.logits_sharding)  # fmt: skip
+        return logits, sampling, words[start:], own
+
+    def peak_bytes(self, params: Any, kv: Any, batch: Any, sampling: Any) -> int:
+        """Working memory of a step of these arguments (XLA's memory analysis): the f32 logits
+        between the two programs plus the larger of their temporaries. The sampler's executable
+        is the one warm-up runs (compiled here beside the forward, in a second thread)."""
+        batch, sampling, words, layout = pack(batch, sampling)
+        args = self._sampler_args(sampling, words, layout)
+        compiled = getattr(type(self.sampler), "compiled", None)  # behind the executable cache
+        with ThreadPoolExecutor(1) as pool:
+            smp = pool.submit(lambda: compiled(self.sampler, *args) if compiled is not None
+                              else self.sampler.lower(*args).compile())  # fmt: skip
+            fwd = self.fn.lower(params, kv, batch, words, layout).compile().memory_analysis()
+            smp_temp = smp.result().memory_analysis().temp_size_in_bytes
+        logits = args[0].shape[0] * args[0].shape[1] * 4
+        return logits + max(int(fwd.temp_size_in_bytes), int(smp_temp))
 
 
 class SplitScore(PackedStep):

@@ -93,7 +93,9 @@ def check_utilization(value: float) -> float:
 def step_peak(runner: Any, exec_dir: Path | None) -> int:
     """The largest step shape's working memory in bytes (XLA's memory analysis), compiled
     against an abstract pool of the pages of one max_model_len sequence, plus the score
-    function's f32 logits for the largest token bucket (`SCORE_LOGITS_COPIES`)."""
+    function's f32 logits for the largest token bucket (`SCORE_LOGITS_COPIES`). A step of two
+    programs (serving/engine/host_inputs.py `SplitStep.peak_bytes`) counts both and the logits
+    between them; its sampler's executable is the one warm-up runs."""
     shape = runner.shapes.all()[-1]
     kv = runner.abstract_kv(runner.max_pages)
     batch, sampling = runner.warmup_batch(shape, "step")
@@ -105,8 +107,12 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             temp = None
     if temp is None:
-        compiled = runner.step_fn.lower(runner.params, kv, batch, sampling).compile()
-        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        peak_bytes = getattr(runner.step_fn, "peak_bytes", None)
+        if peak_bytes is not None:
+            temp = int(peak_bytes(runner.params, kv, batch, sampling))
+        else:
+            compiled = runner.step_fn.lower(runner.params, kv, batch, sampling).compile()
+            temp = int(compiled.memory_analysis().temp_size_in_bytes)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +129,7 @@ def _peak_path(runner: Any, kv: Any, batch: Any, sampling: Any, exec_dir: Path |
     if exec_dir is None:
         return None
     static = {"cfg": repr(runner.cfg), "invariance": runner.invariance, "tp": runner.tp,
-              "what": "step peak"}  # fmt: skip
+              "what": "step peak", "program": type(runner.step_fn).__name__}  # fmt: skip
     # a stable key name, not a module path: another name would orphan every cached peak
     parts = key_parts("serving.memory.step_peak", static, jax.devices()[: runner.tp],
                       (runner.params, kv, batch, sampling))  # fmt: skip

@@ -132,9 +132,13 @@ class ModelRunner:
         self.tp = tp
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/engine/host_inputs.py says why)
-            if hi.split_step_here():  # a CPU: the forward, then the sampler
+            if hi.split_step_here():  # the forward, then the sampler (host_inputs.py says why)
                 forward, sampler, logprobs = hi.split_step_fn(self.cfg, invariance, self._mesh)
-                self.step_fn = hi.SplitStep(self._exec_cached(forward, "forward"), sampler)
+                self.step_fn = hi.SplitStep(
+                    self._exec_cached(forward, "forward"),
+                    self._exec_cached(sampler, "sampler", params_first=False),
+                    self.cfg.vocab_size, self.token_sharding,
+                )  # fmt: skip
                 if invariance != "none":
                     # score(): the same forward, then the sampler's log-softmax (`SplitScore`).
                     # Not "none": XLA's threaded program fuses its score differently, so its
@@ -190,7 +194,7 @@ class ModelRunner:
             self.score_fn, self._score_cached = fn, True
         return self.score_fn
 
-    def _exec_cached(self, fn: Callable, kind: str) -> Callable:
+    def _exec_cached(self, fn: Callable, kind: str, params_first: bool = True) -> Callable:
         """`fn` behind jdet's executable cache (jdet/exec_cache.py; off with the compile cache):
         warm-up loads each shape's executable from disk instead of tracing it."""
         static: dict[str, Any] = {"cfg": repr(self.cfg), "invariance": self.invariance}
@@ -203,8 +207,9 @@ class ModelRunner:
             devices = [jax.devices()[0]]
             static["ops"] = repr(Ops(invariance=self.invariance))
         return exec_cache.wrap(
-            fn, name=name, static=static, devices=devices, directory=compile_cache.exec_dir()
-        )
+            fn, name=name, static=static, devices=devices, directory=compile_cache.exec_dir(),
+            params_first=params_first,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ host side
     def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[Any, Any]:

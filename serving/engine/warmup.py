@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jdet import exec_cache
+from jdet import exec_cache, exec_key
 from jdet.batch import StepBatch
 from jdet.plan import backend
 from jdet.step import SamplingInputs
@@ -80,7 +80,11 @@ def warmup(
     if kind == "step":  # rows prepared before warm-up may name a variant it compiles afresh
         runner.ahead_cache = None
     variants = runner.variants if kind == "step" else (sampler_variants.FULL,)
-    shapes = [(s, v) for s in runner.shapes.all() for v in variants]  # executables to make
+    # Every shape in the first variant before any in the next: a step of two programs
+    # (host_inputs.py `SplitStep`) shares the forward between variants, so the threads compile
+    # distinct forwards first and the later variants find theirs made (or wait for it). Largest
+    # shapes first: the longest compiles start first, so the last to finish is a short one.
+    shapes = [(s, v) for v in variants for s in reversed(runner.shapes.all())]
     fn = runner.score_step() if kind == "score" else runner.step_fn
     inputs = []
     for shape, variant in shapes:
@@ -99,19 +103,21 @@ def warmup(
         if bar is not None:
             (T, S, P), variant = shapes[k]
             name = f" {variant.name} sampler" if kind == "step" else ""
-            bar.set_postfix_str(f"shape {k // len(variants) + 1}/{len(shapes) // len(variants)} "
+            n = len(shapes) // len(variants)
+            bar.set_postfix_str(f"shape {k % n + 1}/{n} "
                                 f"T={T} S={S} Pmax={P}{name}: {time.perf_counter() - t0:.1f}s")
             bar.update(1)
 
     try:
         workers = warmup_workers()
-        if workers > 1 and len(shapes) > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="jdet-warmup") as pool:
-                for f in [pool.submit(make, k) for k in range(len(shapes))]:
-                    f.result()
-        else:
-            for k in range(len(shapes)):
-                make(k)
+        with exec_key.held_environment():  # one key environment for every entry it makes
+            if workers > 1 and len(shapes) > 1:
+                with ThreadPoolExecutor(workers, thread_name_prefix="jdet-warmup") as pool:
+                    for f in [pool.submit(make, k) for k in range(len(shapes))]:
+                        f.result()
+            else:
+                for k in range(len(shapes)):
+                    make(k)
         for k, (shape, _) in enumerate(shapes):  # each executable once, on the device
             if should_stop is not None and should_stop():
                 break

@@ -259,3 +259,33 @@ def test_the_key_imports_the_mosaic_gpu_kernels_on_a_gpu_only():
         assert len(imported) == 3, imported
     else:
         assert imported == [], imported
+
+
+def test_threads_warming_one_shape_compile_it_once(tmp_path):
+    """Warm-up's threads may meet one shape at once (a step of two programs shares its forward
+    between sampler variants): the first compiles, the others wait and find it made. Control: a
+    second shape is compiled by its own warm."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    compile_cache.install_counter()
+    fn, a = wrapped(tmp_path), args()
+    before = traces()
+    with ThreadPoolExecutor(4) as pool:
+        hows = list(pool.map(lambda _: fn.warm(*a), range(4)))
+    assert sorted(hows) == ["compiled", "memory", "memory", "memory"]
+    assert traces() == before + 1
+    assert fn.warm(*args(n=4)) == "compiled" and traces() == before + 2  # the control
+
+
+def test_a_function_of_activations_is_keyed_by_every_argument(tmp_path):
+    """params_first=False (the sampler): the first argument is data like the rest, so another
+    shape of it is another executable, and the same shape with other values runs the same one."""
+    fn = exec_cache.wrap(
+        jax.jit(lambda x, y: jnp.tanh(x) @ y), name="act", static={}, devices=jax.devices()[:1],
+        directory=tmp_path, params_first=False,
+    )  # fmt: skip
+    x, y = np.ones((4, 8), np.float32), np.ones((8, 2), np.float32)
+    assert fn.warm(jax.ShapeDtypeStruct(x.shape, x.dtype), y) == "compiled"
+    assert fn.warm(x * 2, y) == "memory"  # the abstract stand-in made the same executable
+    assert fn.warm(np.ones((2, 8), np.float32), y) == "compiled"
+    np.testing.assert_array_equal(np.asarray(fn(x, y)), np.asarray(jnp.tanh(x) @ y))

@@ -217,23 +217,25 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     entries, files = {}, sorted((cache / "exec").glob("*.jdetexe"))
     for f in files:
         entries[json.loads(pickle.loads(f.read_bytes())["parts"])["fn"].split("_")[-1]] = f
-    # one shape each in this set; the step in each sampler variant
-    # (serving/engine/sampler_variants.py), or on a CPU its forward, one for every variant (the
-    # sampler apart, in XLA's cache: serving/engine/host_inputs.py `SplitStep`)
+    # one shape each in this set: the step in each sampler variant
+    # (serving/engine/sampler_variants.py), or split (serving/engine/host_inputs.py `SplitStep`)
+    # one forward for every variant and a sampler for each
     split = split_step_here()
-    n_step = 1 if split else len(sampler_variants.engine_variants())
-    step = "forward" if split else "step"
-    assert sorted(entries) == sorted(["score", step]) and len(files) == n_step + 1
+    variants = len(sampler_variants.engine_variants())
+    n_step = 1 + variants if split else variants
+    names = ["forward", "sampler"] if split else ["step"]
+    assert sorted(entries) == sorted(["score", *names]) and len(files) == n_step + 1
     entries["score"].write_bytes(b"corrupt")
     warm = result(start(str(cache)))
     assert cold["hits"] == 0 and off["hits"] == 0
     # the restart compiled nothing: every executable came from a cache
     assert warm["hits"] > 0 and warm["compiles"] == warm["hits"]
-    # ... and traced no step: its executable came from jdet's cache (the cold start traced it).
-    # On a CPU the score is the step's forward, a jit named `step` (serving/engine/host_inputs.py
-    # `SplitScore`): there the corrupt score entry below is its one trace
+    # ... and traced no step and no sampler: their executables came from jdet's cache (the cold
+    # start traced them). Split, the score is the step's forward, a jit named `step`
+    # (`SplitScore`): there the corrupt score entry below is its one trace
     assert cold["traced"].get("step", 0) >= 1 and cold["exec"]["writes"] == n_step + 1
     assert warm["traced"].get("step", 0) == (1 if split else 0)
+    assert warm["traced"].get("sampler", 0) == 0
     assert warm["exec"]["loads"] == n_step
     # the corrupt score entry: a warning, a compile (an XLA cache hit), the entry rewritten
     # (on a CPU the entry is not rewritten: an executable JAX's persistent cache loaded fails
@@ -276,3 +278,39 @@ def test_shape_set_is_bounded_and_covers_every_step():
         s.fit(513, 1, 1)
     with pytest.raises(ValueError, match="min_pages_bucket must be >= 1"):
         ShapeSet.build(max_num_batched_tokens=8, max_num_seqs=8, max_pages=8, min_pages_bucket=0)
+
+
+def test_after_warmup_every_sampler_call_runs_its_warmed_executable(serving_model):
+    """Warm-up makes each sampler from the logits' shape and placement alone (host_inputs.py
+    `SplitStep.warm`), never running the forward: if that stand-in differed from the forward's
+    real output, every step would miss the executable and run the plain jit (a trace per
+    process). Control: with the warmed executables dropped, the same call runs the plain jit."""
+    from jdet.exec_cache import CachedFn
+
+    llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True)
+    sampler = getattr(llm.engine.runner.step_fn, "sampler", None)
+    if not isinstance(sampler, CachedFn):
+        pytest.skip("the step is one program, or the executable cache is off")
+
+    class Spy:
+        def __init__(self, fn):
+            self.fn, self.calls = fn, 0
+
+        def __call__(self, *a):
+            self.calls += 1
+            return self.fn(*a)
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+    sampler.fn = spy = Spy(sampler.fn)
+    sp = [jdet.SamplingParams(max_tokens=4, temperature=0.0),
+          jdet.SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, logprobs=2)]
+    want = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9]], sp)  # warm-up, then the requests
+    assert spy.calls == 0
+    sampler._exes.clear()  # the control
+    got = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8, 9]], sp)
+    assert spy.calls > 0
+    for w, g in zip(want, got, strict=True):  # and the plain jit gives the same bits
+        assert w.outputs[0].token_ids == g.outputs[0].token_ids
+        assert np.array_equal(w.outputs[0].logprobs, g.outputs[0].logprobs)

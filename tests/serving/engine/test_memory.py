@@ -148,3 +148,32 @@ def test_a_pool_that_never_fits_names_every_try_in_its_error(monkeypatch):
     assert "10 pages: RESOURCE_EXHAUSTED: Out of memory allocating" in msg
     assert "1 pages: allocated, then a largest free block of 0.00 GiB" in msg  # the last try
     assert "10 tries:" in msg  # 10, 9, ..., 2, 1 pages, then 0 stops it
+
+
+def test_a_deleted_llm_leaves_none_of_its_device_arrays(serving_model):
+    """A second engine in one process sizes its pool from what the device has free, so the
+    first must hand back all of its memory when it is deleted: weights it placed, the KV pool,
+    sampling rows, executables' arguments. The control: while it lives, its arrays are live."""
+    import gc
+
+    import jax
+
+    import jdet
+
+    def new_arrays() -> list:
+        return [a for a in jax.live_arrays() if id(a) not in before]
+
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    llm = jdet.LLM(serving_model, num_pages=48, **SETTINGS)
+    llm.generate([[5, 6, 7, 8], [9, 10]], jdet.SamplingParams(max_tokens=4, temperature=0.0))
+    llm.generate([[5, 6, 7]], jdet.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9,
+                                                  seed=1, logprobs=2))  # fmt: skip
+    llm.score([[5, 6, 7, 8, 9]])
+    pool = llm.engine.runner.kv["k"]
+    held = new_arrays()
+    assert any(a is pool for a in held)  # the control: the check sees a live engine's arrays
+    del llm, pool, held
+    gc.collect()
+    left = new_arrays()
+    assert not left, [(a.shape, a.dtype) for a in left]
