@@ -8,9 +8,10 @@ Rows (start_bench.json; random bf16 weights of the named shape, `jdet.LLM(model)
   (jdet's executable cache); seconds to the engine and to the token, executables made, the
   cache's loads and writes;
 - step, split and fused: in one more process on the warm cache, batch-1 greedy decode ms/token
-  through `LLM.generate` (ctx 1024) with the step as two programs (the default) and as one
-  (`$JDET_FUSED_STEP=1`, shapes compiled as met), the two engines one after the other; the
-  first engine's build (a restart's, on the warm cache) under cProfile: its costliest calls;
+  through `LLM.generate` (ctx 1024) with the step as two programs (`$JDET_STEP=split`, which
+  the starts run too) and as one (`$JDET_STEP=fused`, a GPU's default; shapes compiled as
+  met), the two engines one after the other; the first engine's build (a restart's, on the
+  warm cache) under cProfile: its costliest calls;
 - second engine: between them, the device arrays and bytes the deleted first engine left, and
   the second engine's pool against the first's (a holder of the first's memory shrinks it). On
   a CPU a bf16 model's weights keep a copy of each matmul weight that the engine's host-side
@@ -118,7 +119,7 @@ def _step_child(shape: str, max_len: int, smoke: bool) -> None:
     del llm
     gc.collect()
     after = _device_state()
-    os.environ["JDET_FUSED_STEP"] = "1"
+    os.environ["JDET_STEP"] = "fused"
     t0 = time.perf_counter()
     llm = jdet.LLM(model, warmup=False)  # the fused step's shapes compile as they are met
     second = {"engine_s": time.perf_counter() - t0}
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
           "--max-len", str(a.max_len)] + (["--smoke"] if a.smoke else [])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="jdet-start-bench-") as cache:
         env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
-        env.pop("JDET_FUSED_STEP", None)
+        env["JDET_STEP"] = "split"  # the step the starts measure
         runs = [("start", "cold"), ("start", "warm"), ("step", "warm")]
         for child, which in runs:
             for row in _child_rows([*me, "--child", child], child, env):

@@ -35,6 +35,7 @@ from jax import lax
 
 from jdet import exec_cache
 from jdet.ops import Ops
+from jdet.plan import backend
 from jdet.sampling import sample, token_logprobs
 from jdet.step import SamplingInputs, jit_step, logits_body, xla_options
 from sharding.tp import tp_logits_body
@@ -251,13 +252,19 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
     return step, sampler, logprobs
 
 
-FUSED_ENV = "JDET_FUSED_STEP"  # "1": the step as one program (benchmarks compare the two)
+STEP_ENV = "JDET_STEP"  # "split" or "fused": which step engines run (`split_step_here`)
 
 
 def split_step_here() -> bool:
-    """Whether an engine's own step runs as `SplitStep` (`split_step_fn` says why): everywhere,
-    unless `$JDET_FUSED_STEP` is "1" (one program per shape and variant, `packed`)."""
-    return os.environ.get(FUSED_ENV, "0") != "1"
+    """Whether an engine's own step runs as `SplitStep` (`split_step_fn` says why) or as one
+    program per shape and variant (`packed`): `$JDET_STEP` ("split" or "fused") where set, else
+    split on a CPU and fused on a GPU. Why fused stays a GPU's default: the split step's cold
+    start and step time on a GPU are measured by benchmarks/start_bench.py, and a default
+    changes only with that measure in hand."""
+    choice = os.environ.get(STEP_ENV, "")
+    if choice not in ("", "split", "fused"):
+        raise ValueError(f"${STEP_ENV}={choice!r}: choose 'split' or 'fused' (or leave it unset)")
+    return choice == "split" if choice else backend().cpu
 
 
 @functools.cache

@@ -314,3 +314,17 @@ def test_after_warmup_every_sampler_call_runs_its_warmed_executable(serving_mode
     for w, g in zip(want, got, strict=True):  # and the plain jit gives the same bits
         assert w.outputs[0].token_ids == g.outputs[0].token_ids
         assert np.array_equal(w.outputs[0].logprobs, g.outputs[0].logprobs)
+
+
+def test_jdet_step_chooses_the_step_programs_and_refuses_other_values(monkeypatch):
+    """`$JDET_STEP` picks split or fused; unset, a CPU runs split (this machine); anything else
+    is refused by name rather than read as either."""
+    monkeypatch.delenv("JDET_STEP", raising=False)
+    assert split_step_here()  # a CPU's default
+    monkeypatch.setenv("JDET_STEP", "fused")
+    assert not split_step_here()
+    monkeypatch.setenv("JDET_STEP", "split")
+    assert split_step_here()
+    monkeypatch.setenv("JDET_STEP", "1")
+    with pytest.raises(ValueError, match="JDET_STEP"):
+        split_step_here()
