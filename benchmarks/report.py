@@ -123,6 +123,15 @@ def user_ttft(rec: dict) -> list[str]:
             *_table(head, rows), *_failed(rec, "ttft"), *_failed(rec, "sdpa")]  # fmt: skip
 
 
+def _executables(r: dict) -> str:
+    """A start row's step executables: a count (older records), or its shapes x sampler variants
+    and the step's kind (benchmarks/start_bench.py's rows)."""
+    if "executables" in r:
+        return str(r["executables"])
+    shapes, variants = r.get("shapes", "?"), r.get("variants", "?")
+    return f"{shapes} shapes × {variants} variants ({r.get('step', '?')})"
+
+
 def user_start(rec: dict) -> list[str]:
     """A fresh process: `jdet.LLM(model)` and one token, cold (empty cache) and warm."""
     rows = []
@@ -130,7 +139,7 @@ def user_start(rec: dict) -> list[str]:
         loads = r.get("exec_cache", {}).get("loads", "—")
         rows.append([r.get("cache", "?"), _num(r["engine_s"], 1),
                      _num(r["first_token_after_engine_s"], 1), f"**{_num(r['ready_s'], 1)}**",
-                     str(r["executables"]), str(loads)])  # fmt: skip
+                     _executables(r), str(loads)])  # fmt: skip
     head = ["start", "engine s", "warm-up + first token s", "ready s (weights placed → token)",
             "executables", "executable-cache loads"]  # fmt: skip
     if not rows:

@@ -151,34 +151,13 @@ def ttft(shape: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def _start_child(shape: str) -> None:
-    """One start, in this (fresh) process: prints its JSON row."""
-    t0 = time.perf_counter()
-    import jax
-
-    import jdet
-    from jdet import exec_cache
-
-    model = _model(shape, 8192)
-    jax.block_until_ready(model.params)
-    t1 = time.perf_counter()
-    llm = jdet.LLM(model)
-    t2 = time.perf_counter()
-    llm.generate([[1, 2, 3, 4]], jdet.SamplingParams(max_tokens=1, temperature=0.0))
-    t3 = time.perf_counter()
-    print(json.dumps(_engine_row(
-        llm, part="start", import_and_weights_s=t1 - t0, engine_s=t2 - t1,
-        first_token_after_engine_s=t3 - t2, ready_s=t3 - t1,
-        executables=len(llm.engine.runner.shapes.all()) * len(llm.engine.runner.variants),
-        exec_cache=exec_cache.stats())), flush=True)  # fmt: skip
-
-
 def start(shape: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="jdet-user-bench-") as cache:
         env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
         for which in ("cold", "warm"):
-            cmd = [sys.executable, "-m", "benchmarks.user_bench", "--start-child", "--shape", shape]
+            cmd = [sys.executable, "-m", "benchmarks.start_bench", "--child", "start",
+                   "--shape", shape, "--max-len", "8192"]  # its start row (start_bench.py)
             rows.append({**_child_rows(cmd, {}, env)[-1], "cache": which})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -322,15 +301,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="I/N: only every N-th setting of the decode sweep from the I-th")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="join these runs' user_bench.json into OUT/user_bench.json, run nothing")
-    ap.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--decode-child", help=argparse.SUPPRESS)
     ap.add_argument("--ttft-child", help=argparse.SUPPRESS)
     ap.add_argument("--sdpa-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--lens", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.start_child:
-        _start_child(a.shape)
-        return 0
     if a.decode_child:
         c = json.loads(a.decode_child)
         _decode_child(a.shape, c["kw"], tuple(c["ctxs"]), c["smoke"])
