@@ -188,8 +188,10 @@ def engine_step(eng: Any, ctx: int, steps: int, rid: str = "b1") -> dict:
             "engine_first_steps_s": t_first}  # fmt: skip
 
 
-def make_engine(model: Any, mode: str, max_len: int, num_pages: int, **settings: Any) -> Any:
-    """A benchmark's engine (`settings`: more EngineConfig fields, e.g. donate_weights)."""
+def make_engine(model: Any, mode: str, max_len: int, num_pages: int | None,
+                **settings: Any) -> Any:  # fmt: skip
+    """A benchmark's engine (`settings`: more EngineConfig fields, e.g. donate_weights);
+    `num_pages` None: the engine sizes its pool from the device's memory, as a user's does."""
     import gc
 
     from serving.engine.engine import Engine

@@ -22,7 +22,10 @@ peak).
 Memory: every engine is built with `donate_weights`, each mode on a fresh random model, so the
 weights are never held twice (benchmarks/moe_memory.py computes the peak from shapes: 99.7 GB in
 the "tp" layout, 140 GB had the model been kept). JAX may use 90 % of the GPU here
-(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set): transformers has finished before JAX starts.
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set): transformers has finished before JAX starts. The
+engine sizes its KV pool as a user's would (no num_pages: serving/engine/memory.py counts the
+compiled step's own peak), so a step that needs more memory than is left fails at construction
+naming the terms, not at its first step; `pool_pages` is the least the rows need.
 
     PYTHONPATH=. python -m benchmarks.moe_bench --out OUT [--smoke]
     PYTHONPATH=. python -m benchmarks.gpu_suite --only moe
@@ -134,17 +137,24 @@ def jdet_rows(a: argparse.Namespace, ceil: dict, res: dict, save: Any) -> None:
     import gc
 
     from benchmarks import decode_bench as db
+    from serving.engine.memory import device_limit
 
-    steps, max_len, num_pages = a.steps, max_model_len(a), pool_pages(a)
+    steps, max_len, need = a.steps, max_model_len(a), pool_pages(a)
     for mode in a.modes:
         try:
             model = random_model(a.shape, max_len)
             made = memory()
             t0 = time.perf_counter()
-            eng = db.make_engine(model, mode, max_len, num_pages, donate_weights=True)
+            # sized by the engine where the device reports its memory (a CPU has no limit)
+            sized = device_limit() is not None
+            eng = db.make_engine(model, mode, max_len, None if sized else need,
+                                 donate_weights=True)  # fmt: skip
             built = time.perf_counter() - t0
+            budget = eng.memory_budget
             res["memory"][mode] = {"after_random_model": made, "engine_s": built,
-                                   "after_engine": memory(), "num_pages": num_pages}  # fmt: skip
+                                   "after_engine": memory(), "num_pages": eng.runner.num_pages,
+                                   "pages_needed": need,
+                                   "step_peak": budget.peak if budget else None}  # fmt: skip
             save()
             r = eng.runner
             for b in a.batches:

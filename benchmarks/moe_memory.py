@@ -12,6 +12,12 @@ Terms, in bytes, of the bf16 model as a GPU engine holds it:
 - `kv`: the KV pool the benchmark allocates.
 
     PYTHONPATH=. python -m benchmarks.moe_memory [--shape qwen3-30b-a3b] [--pages N]
+
+`--step [MODE ...]` instead compiles a 16-token decode step on this device against abstract
+weights and reports XLA's temporaries in GiB (`step_temp`): a step that would need more memory
+than the weights leave shows here without allocating the model.
+
+    PYTHONPATH=. python -m benchmarks.moe_memory --step tp none [--layers N]
 """
 
 from __future__ import annotations
@@ -100,11 +106,57 @@ def plan(shape: str, num_pages: int, page: int = 16, fractions: tuple = (0.75, 0
     return out
 
 
+def step_temp(shape: str, mode: str, tokens: int = 16, layers: int | None = None) -> dict:
+    """XLA's memory analysis of one `tokens`-token decode step (batch 1, padded to `tokens`
+    rows) of `shape` in `mode` on this process's device, compiled against abstract weights and
+    pool (nothing allocated): its temporaries, which the engine's pool sizing counts
+    (serving/engine/memory.py). `layers`: fewer layers than the shape's (a faster compile)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import decode_bench as db
+    from benchmarks.moe_bench import SHAPES
+    from jdet.config import ModelConfig
+    from jdet.params import abstract_params
+    from jdet.plan import Plan, prepare_params
+    from jdet.step import make_step_fn
+    from sharding.mesh import make_tp_mesh
+    from sharding.tp import make_tp_step
+
+    raw = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    cfg = ModelConfig.from_hf(raw)
+    params, plan_ = abstract_params(cfg, jnp.bfloat16), Plan(cfg, mode, 1)
+    sb, si = db.decode_inputs(cfg, 1, 1024, db.pages_for(1024, 32), pad_tokens=tokens)
+    spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), t)  # noqa: E731
+    if plan_.sharded:
+        params = jax.eval_shape(lambda p: prepare_params(p, cfg, 1, blocked=plan_.blocked),
+                                params)  # fmt: skip
+        fn = make_tp_step(cfg, mode, make_tp_mesh(1))
+    else:
+        fn = make_step_fn(cfg, plan_.ops())
+    pool = (cfg.num_layers, cfg.num_kv_heads, db.pages_used(1024) + 64, db.PAGE, cfg.head_dim)
+    kv = {n: jax.ShapeDtypeStruct(pool, jnp.bfloat16) for n in "kv"}
+    m = fn.lower(params, kv, spec(sb), spec(si)).compile().memory_analysis()
+    return {"mode": mode, "tokens": tokens, "layers": cfg.num_layers,
+            "temp": int(m.temp_size_in_bytes),
+            "weights": int(m.argument_size_in_bytes)}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--pages", type=int, default=5000)
+    p.add_argument("--step", nargs="*", metavar="MODE",
+                   help="instead: compile a 16-token decode step per mode (step_temp)")
+    p.add_argument("--layers", type=int, help="with --step: fewer layers")
     a = p.parse_args()
+    if a.step is not None:
+        for mode in a.step or ["tp", "none"]:
+            r = step_temp(a.shape, mode, layers=a.layers)
+            print(json.dumps({k: round(v / GiB, 3) if k in ("temp", "weights") else v
+                              for k, v in r.items()}), flush=True)  # fmt: skip
+        return
     r = plan(a.shape, a.pages)
     print(json.dumps({k: (round(v / GB, 2) if isinstance(v, int) else v) for k, v in r.items()},
                      indent=1))  # fmt: skip

@@ -85,15 +85,20 @@ def combine_slots(w: jax.Array, y: jax.Array, out_dtype: Any, invariant: bool) -
 
 
 def moe_block(
-    lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops, real: jax.Array | None = None
-) -> jax.Array:
+    lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops, real: jax.Array | None = None,
+    layer: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
     """The expert FFN of h[T, D] (module docstring) with one layer's weights `lp`: router [D, E],
-    expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard). `real`
-    (bool [T]): the step's real rows; the others (bucket padding) take no expert tile and give
-    zeros, so a padded decode step still reads only its tokens' experts."""
+    expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard); with
+    `layer`, `lp` holds the stacks of the sparse layers ([L', ...]) and the kernels read that
+    entry in place: an expert stack's entry as an array would be a copy of every expert
+    (pallas_kernels/grouped_matmul.py, "Stacked weights"). `real` (bool [T]): the step's real
+    rows; the others (bucket padding) take no expert tile and give zeros, so a padded decode
+    step still reads only its tokens' experts."""
     t, d = h.shape
     k = cfg.num_experts_per_tok
-    logits = ops.matmul(h, lp["router"], out_dtype=jnp.float32)
+    router = lp["router"] if layer is None else _at(lp["router"], layer)  # [D, E]: small
+    logits = ops.matmul(h, router, out_dtype=jnp.float32)
     w, ids = route(logits, k, cfg.norm_topk_prob)
     if cfg.moe == "qwen3_moe":  # transformers rounds Qwen3-MoE's weights to the model dtype
         w = w.astype(h.dtype).astype(jnp.float32)
@@ -104,10 +109,10 @@ def moe_block(
     hz = jnp.concatenate([h, jnp.zeros((1, d), h.dtype)])
     xs = hz[tiles.slot_row // k]
     live = cfg.moe_intermediate_size  # past it the plan's padding: zeros
-    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles, live)
-    up = ops.grouped_matmul(xs, lp["expert_up"], tiles, live)
+    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles, live, layer)
+    up = ops.grouped_matmul(xs, lp["expert_up"], tiles, live, layer)
     act = swiglu_act(gate, up, h.dtype)
-    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles, live)  # [T*k, D] in row order
+    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles, live, layer)  # [T*k, D], row order
     return combine_slots(w, y.reshape(t, k, d), h.dtype, ops.invariant)
 
 
@@ -158,7 +163,7 @@ def ffn_forward(
 
     def run_sparse(h: jax.Array) -> jax.Array:
         i = jnp.asarray(_local_index(cfg.sparse_layers, cfg.num_layers))[layer]
-        return moe_block({n: _at(w, i) for n, w in sparse.items()}, h, cfg, ops, real)
+        return moe_block(sparse, h, cfg, ops, real, layer=i)
 
     if not cfg.dense_layers:
         return run_sparse(h)

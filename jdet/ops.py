@@ -220,35 +220,36 @@ class Ops:
         return gm.group_tiles(ids, num_groups, gm.tile_rows() if self.invariant else 8)
 
     def grouped_matmul(
-        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None
+        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None, layer: Any = None
     ) -> jax.Array:
         """Column-parallel grouped projection xs[P, in] @ w[group][in, out] -> [P, out]: BIO in
         the invariant modes, XLA's `ragged_dot` in "none". `live`: the true width of w's out
         dimension when `pad_params` padded it with zeros; on one shard the GPU kernel then skips
-        the zero blocks (the same bits)."""
+        the zero blocks (the same bits). `layer`: w is the stack of every layer [L, G, in, out],
+        read at that layer in place (pallas_kernels/grouped_matmul.py says why)."""
         if self.invariant:
-            live_n = live if self.row_shards == 1 and live and live < w.shape[2] else None
-            return gm.grouped_matmul(xs, w, tiles, live_n=live_n)
-        return gm.grouped_matmul_xla(xs, w, tiles)
+            live_n = live if self.row_shards == 1 and live and live < w.shape[-1] else None
+            return gm.grouped_matmul(xs, w, tiles, live_n=live_n, layer=layer)
+        return gm.grouped_matmul_xla(xs, w, tiles, layer=layer)
 
     def grouped_row_matmul(
-        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None
+        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None, layer: Any = None
     ) -> jax.Array:
         """Row-parallel grouped projection (the experts' down_proj), back in row order [R, out]
         in xs's dtype: the tree in "tp"; under TP each device's f32 partial (its subtree in
         "tp") is combined across devices per row by `row_reduce` before the cast. `live`: as
-        `grouped_matmul`'s, for w's in dimension."""
+        `grouped_matmul`'s, for w's in dimension; `layer` as `grouped_matmul`'s."""
         f32 = jnp.float32
         n = self.row_shards
-        live_k = live if n == 1 and live and live < w.shape[1] else None
+        live_k = live if n == 1 and live and live < w.shape[-2] else None
         if self.invariance == "tp":
-            k_total = w.shape[1] * n
+            k_total = w.shape[-2] * n
             part = gm.grouped_tree_partial(xs, w, tiles, k_total=k_total, num_shards=n,
-                                           live_k=live_k)  # fmt: skip
+                                           live_k=live_k, layer=layer)  # fmt: skip
         elif self.invariance == "batch":
-            part = gm.grouped_matmul(xs, w, tiles, f32)
+            part = gm.grouped_matmul(xs, w, tiles, f32, layer=layer)
         else:
-            part = gm.grouped_matmul_xla(xs, w, tiles, f32)
+            part = gm.grouped_matmul_xla(xs, w, tiles, f32, layer=layer)
         part = gm.scatter_rows(part, tiles)
         if self.row_reduce is not None:
             part = self.row_reduce(part)

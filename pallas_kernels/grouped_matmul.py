@@ -26,6 +26,13 @@ Active bytes: at most ceil(R / block_m) + min(G, R) tiles hold rows; only those 
 a traced trip count on the CPU, `pl.when` on the GPU) and each reads only its own group's weight,
 so a decode step reads the weights of the groups its rows chose, not all of w.
 
+Stacked weights: w may be a model's stack of every layer's experts [L, G, K, N] with `layer` (a
+traced index); the kernels then read layer `layer`'s groups in place. Why: w[layer] as an array
+is a copy of all G experts (a Triton call, or the dense dot XLA makes of `ragged_dot` on a GPU,
+takes whole buffers), and with the layers unrolled those copies depend on the weights only, so
+XLA may schedule every layer's copies before the first layer runs (a 48-layer, 128-expert model:
+~70 GiB of temporaries for a 16-token step). Indexing inside the kernel leaves no such array.
+
 `grouped_matmul_xla` is the non-invariant baseline ("none" mode): XLA's `lax.ragged_dot` over the
 same layout, differentiable. `grouped_matmul_reference` is the pure-jnp definition.
 """
@@ -128,11 +135,11 @@ def scatter_rows(y: jax.Array, tiles: GroupedTiles) -> jax.Array:
 
 # -- the CPU path (xla_fixed's dots) ---------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype"))
-def _grouped_xla(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
+def _grouped_xla(xs, w, layer, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
     bm = xla_fixed.BM
     dtype = jnp.promote_types(xs.dtype, w.dtype)
     p = xs.shape[0]
-    n = w.shape[2]
+    _, _, k, n = w.shape
     nb = -(-n // xla_fixed.BN)
     kp = num_leaves * leaf_k
     xs = xla_fixed._pad_axis(xs.astype(dtype), 1, kp)
@@ -142,8 +149,8 @@ def _grouped_xla(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
 
     def tile(t, out):
         g = tile_group[t]
-        w4 = xla_fixed._cut(lax.dynamic_index_in_dim(w, g, keepdims=False), dtype, leaf_k,
-                            num_leaves)  # fmt: skip  # [leaf, nb, leaf_k, BN]
+        wg = lax.dynamic_slice(w, (layer[0], g, 0, 0), (1, 1, k, n)).reshape(k, n)
+        w4 = xla_fixed._cut(wg, dtype, leaf_k, num_leaves)  # [leaf, nb, leaf_k, BN]
         xt = lax.dynamic_slice_in_dim(xs, t * bm, bm).reshape(bm, num_leaves, leaf_k)
         xb = jnp.broadcast_to(xt.transpose(1, 0, 2)[:, None], (num_leaves, nb, bm, leaf_k))
         parts = lax.dot_general(xb, w4, dims, precision=precision,
@@ -158,10 +165,11 @@ def _grouped_xla(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype):
 
 
 # -- the Pallas kernel -----------------------------------------------------------------------------
-def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leaves: int,
+def _grouped_kernel(tg_ref, l_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leaves: int,
                     precision, live_tiles: int, live_nb: int):  # fmt: skip
     t = pl.program_id(0)
     g = tg_ref[t]
+    layer = l_ref[0]
     bk = cfg.block_k
     run = (g >= 0) & (pl.program_id(1) < live_nb)
 
@@ -174,11 +182,11 @@ def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leave
             def body(i, acc):
                 start = pl.multiple_of((first + i) * bk, bk)
                 a = x_ref[:, pl.ds(start, bk)]
-                b = w_ref[g, pl.ds(start, bk), :]
+                b = w_ref[layer, g, pl.ds(start, bk), :]
                 return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
                                      precision=precision)  # fmt: skip
 
-            acc0 = jnp.zeros((x_ref.shape[0], w_ref.shape[2]), jnp.float32)
+            acc0 = jnp.zeros((x_ref.shape[0], w_ref.shape[3]), jnp.float32)
             return lax.fori_loop(0, n, body, acc0) if n else acc0
 
         # the tree kernel's binary counter: leaves added pairwise, lower K on the left
@@ -198,19 +206,21 @@ def _grouped_kernel(tg_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leave
 
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype", "live_k",
                                              "live_n"))
-def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
+def _grouped_pallas(xs, w, layer, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
                     live_k: int | None = None, live_n: int | None = None):  # fmt: skip
     from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
 
     dtype = jnp.promote_types(xs.dtype, w.dtype)
     xs, w = xs.astype(dtype), w.astype(dtype)
-    cfg = _mm.tile_config(leaf_k * num_leaves, w.shape[2], dtype)
+    cfg = _mm.tile_config(leaf_k * num_leaves, w.shape[3], dtype)
     k_first = -(-leaf_k // cfg.block_k)  # a tree leaf is whole block_k tiles; BIO pads K
-    p, n = xs.shape[0], w.shape[2]
+    p, n = xs.shape[0], w.shape[3]
     kp = num_leaves * k_first * cfg.block_k
     xs = _mm._pad_to(xs, 1, kp)
-    w = _mm._pad_to(_mm._pad_to(w, 1, kp), 2, cfg.block_n)
-    nb = w.shape[2] // cfg.block_n
+    # a copy of the whole stack where K or N is not a whole number of tiles (small test
+    # shapes); the plan's padded FFN and the models' widths need none
+    w = _mm._pad_to(_mm._pad_to(w, 2, kp), 3, cfg.block_n)
+    nb = w.shape[3] // cfg.block_n
     bm = p // tile_group.shape[0]
     live_tiles = -(-(kp if live_k is None else live_k) // cfg.block_k)
     live_nb = -(-(nb * cfg.block_n if live_n is None else live_n) // cfg.block_n)
@@ -228,73 +238,87 @@ def _grouped_pallas(xs, w, tile_group, *, leaf_k: int, num_leaves: int, out_dtyp
         grid=(tile_group.shape[0], nb),
         in_specs=[
             pl.BlockSpec(tile_group.shape, lambda t, j: (0,)),
+            pl.BlockSpec((1,), lambda t, j: (0,)),
             pl.BlockSpec((bm, kp), lambda t, j: (t, 0)),
-            pl.BlockSpec((w.shape[0], kp, cfg.block_n), lambda t, j: (0, 0, j)),
+            # every layer and group: the kernel reads its own (layer, group)'s tiles in place
+            pl.BlockSpec((*w.shape[:2], kp, cfg.block_n), lambda t, j: (0, 0, 0, j)),
         ],
         out_specs=pl.BlockSpec((bm, cfg.block_n), lambda t, j: (t, j)),
         interpret=interpret,
         compiler_params=compiler_params,
         name="grouped_matmul",
-    )(tile_group, xs, w)
+    )(tile_group, layer, xs, w)
     return out[:, :n]
 
 
-def _check(xs: jax.Array, w: jax.Array, tiles: GroupedTiles) -> jnp.dtype:
-    if xs.ndim != 2 or w.ndim != 3 or xs.shape[1] != w.shape[1]:
+def _check(xs: jax.Array, w: jax.Array, tiles: GroupedTiles, layer=None) -> jnp.dtype:
+    want = 3 if layer is None else 4
+    if xs.ndim != 2 or w.ndim != want or xs.shape[1] != w.shape[-2]:
         raise ValueError(
-            f"grouped matmul expects xs[P, K] and w[G, K, N]; got xs{tuple(xs.shape)}, "
-            f"w{tuple(w.shape)}"
+            f"grouped matmul expects xs[P, K] and w[G, K, N] (or a stack w[L, G, K, N] with "
+            f"`layer`); got xs{tuple(xs.shape)}, w{tuple(w.shape)}, layer={layer}"
         )
     if xs.shape[0] != tiles.num_slots:
         raise ValueError(f"xs has {xs.shape[0]} rows; the layout has {tiles.num_slots} slots")
     return jnp.promote_types(xs.dtype, w.dtype)
 
 
+def _stacked(w: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    """(w as a stack [L, G, K, N], the layer index as int32 [1]); a [G, K, N] weight is a
+    stack of one layer (a reshape, no copy)."""
+    if layer is None:
+        return w[None], jnp.zeros((1,), jnp.int32)
+    return w, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def _subtree(xs, w, tiles, *, leaf_k: int, num_leaves: int, out_dtype, backend, live_k=None,
-             live_n=None):  # fmt: skip
+             live_n=None, layer=None):  # fmt: skip
     """num_leaves leaves of leaf_k columns of K per tile, combined in the tree (module plan).
     `live_k` / `live_n`: w's rows / columns past them are zero (jdet/plan.py pad_params' FFN
     padding); the Pallas kernel then neither reads nor multiplies the K tiles and n blocks wholly
-    past them (an exact zero in their place: the same sums). The CPU path computes them."""
+    past them (an exact zero in their place: the same sums). The CPU path computes them.
+    `layer`: w is a stack [L, G, K, N], read at that layer in place (module docstring)."""
+    w, lw = _stacked(w, layer)
     if _mm.resolve_backend(backend) == "xla":
         if tiles.block_m != tile_rows("xla"):
             raise ValueError(f"the CPU path's tiles have {tile_rows('xla')} rows, not "
                              f"{tiles.block_m}: lay them out with tile_rows()")  # fmt: skip
-        return _grouped_xla(xs, w, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
+        return _grouped_xla(xs, w, lw, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
                             out_dtype=jnp.dtype(out_dtype))  # fmt: skip
     # no Mosaic grouped kernel (yet): the portable kernel on every GPU
-    return _grouped_pallas(xs, w, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
+    return _grouped_pallas(xs, w, lw, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
                            out_dtype=jnp.dtype(out_dtype), live_k=live_k,
                            live_n=live_n)  # fmt: skip
 
 
 def grouped_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend: str | None = None,
-                   live_n: int | None = None):  # fmt: skip
+                   live_n: int | None = None, layer=None):  # fmt: skip
     """BIO: xs[P, K] (the grouped layout, `gather_rows`) @ w[group] [K, N] per tile -> [P, N];
     K reduced whole as one leaf (f32), cast to out_dtype (default: the operands' dtype).
-    `live_n`: w's columns past it are zero (`_subtree`)."""
-    dtype = _check(xs, w, tiles)
+    `live_n`: w's columns past it are zero; `layer`: w is a stack [L, G, K, N] (`_subtree`)."""
+    dtype = _check(xs, w, tiles, layer)
     return _subtree(xs, w, tiles, leaf_k=xs.shape[1], num_leaves=1, backend=backend,
-                    out_dtype=out_dtype or dtype, live_n=live_n)  # fmt: skip
+                    out_dtype=out_dtype or dtype, live_n=live_n, layer=layer)  # fmt: skip
 
 
 def grouped_tree_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend=None,
-                        live_k: int | None = None):  # fmt: skip
+                        live_k: int | None = None, layer=None):  # fmt: skip
     """TBIK: as `grouped_matmul`, K reduced in the leaves and tree of `tree_plan(K)`. `live_k`:
-    w's rows past it are zero (`_subtree`)."""
-    dtype = _check(xs, w, tiles)
+    w's rows past it are zero; `layer`: w is a stack (`_subtree`)."""
+    dtype = _check(xs, w, tiles, layer)
     plan = tree_plan(xs.shape[1], dtype)
     return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves,
-                    out_dtype=out_dtype or dtype, backend=backend, live_k=live_k)  # fmt: skip
+                    out_dtype=out_dtype or dtype, backend=backend, live_k=live_k,
+                    layer=layer)  # fmt: skip
 
 
 def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards: int,
-                         backend=None, live_k: int | None = None):  # fmt: skip
+                         backend=None, live_k: int | None = None, layer=None):  # fmt: skip
     """f32 subtree of one of `num_shards` contiguous K shards (xs[P, k_total / C], w[G,
     k_total / C, N]): `combine_tree` over the shards' results (the tree all-reduce) is
     `grouped_tree_matmul`'s f32 result bitwise. The shard index is not needed: every shard's
-    subtree has the same shape."""
-    dtype = _check(xs, w, tiles)
+    subtree has the same shape. `layer`: w is a stack (`_subtree`)."""
+    dtype = _check(xs, w, tiles, layer)
     plan = tree_plan(k_total, dtype)
     c = num_shards
     if c < 1 or c & (c - 1) or c > plan.num_leaves or (
@@ -308,7 +332,8 @@ def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards
     if xs.shape[1] != k_total // c:
         raise ValueError(f"shard has K={xs.shape[1]}, expected {k_total} / {c}")
     return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves // c,
-                    out_dtype=jnp.float32, backend=backend, live_k=live_k)  # fmt: skip
+                    out_dtype=jnp.float32, backend=backend, live_k=live_k,
+                    layer=layer)  # fmt: skip
 
 
 def _slot_groups(tiles: GroupedTiles) -> jax.Array:
@@ -328,11 +353,15 @@ def grouped_matmul_reference(xs, w, tiles: GroupedTiles, out_dtype=None):
     return out.astype(out_dtype or dtype)
 
 
-def grouped_matmul_xla(xs, w, tiles: GroupedTiles, out_dtype=None):
+def grouped_matmul_xla(xs, w, tiles: GroupedTiles, out_dtype=None, *, layer=None):
     """The "none" mode's grouped product: XLA's `lax.ragged_dot` over the layout (f32
     accumulation; its reduction order is XLA's, which may follow the group sizes).
-    Differentiable."""
-    dtype = _check(xs, w, tiles)
+    Differentiable. `layer`: w is a stack, of which ragged_dot takes layer `layer` as an array
+    (on a GPU XLA rewrites ragged_dot into a dense dot over every group: jdet/model.py keeps
+    such a model's "none" layers in a loop)."""
+    dtype = _check(xs, w, tiles, layer)
+    if layer is not None:
+        w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
     out = lax.ragged_dot(xs.astype(dtype), w.astype(dtype), tiles.group_sizes,
                          preferred_element_type=jnp.float32)  # fmt: skip
     return out.astype(out_dtype or dtype)

@@ -42,8 +42,9 @@ MODES = ["tp", "none"]
 SPLIT_MIN_ROWS = 16
 
 
-def _split_by_expert_rows(self, xs, w, tiles, live=None):
+def _split_by_expert_rows(self, xs, w, tiles, live=None, layer=None):
     """The control's grouped matmul (module docstring)."""
+    w = w if layer is None else w[layer]
     g = jnp.maximum(jnp.repeat(tiles.tile_group, tiles.block_m), 0)
     wg = w[g].astype(jnp.float32)
     x = xs.astype(jnp.float32)
@@ -78,10 +79,10 @@ def engines(moe_model):
     mp = pytest.MonkeyPatch()
     original = jdet.ops.Ops.grouped_matmul
 
-    def grouped_matmul(self, xs, w, tiles, live=None):
+    def grouped_matmul(self, xs, w, tiles, live=None, layer=None):
         if self.invariant:
-            return original(self, xs, w, tiles, live)
-        return _split_by_expert_rows(self, xs, w, tiles)
+            return original(self, xs, w, tiles, live, layer)
+        return _split_by_expert_rows(self, xs, w, tiles, layer=layer)
 
     mp.setattr(jdet.ops.Ops, "grouped_matmul", grouped_matmul)
     # traced afresh for this module (the patch must not leak into cached steps elsewhere)

@@ -79,18 +79,18 @@ def test_exact_speculative_decoding_of_a_moe_gives_the_plain_bits(moe_model):
 def _split_k_by_expert_rows(original):
     """The control's gate/up grouped matmul (module docstring)."""
 
-    def grouped_matmul(self, xs, w, tiles, live=None):
-        whole = original(self, xs, w, tiles, live)
+    def grouped_matmul(self, xs, w, tiles, live=None, layer=None):
+        whole = original(self, xs, w, tiles, live, layer)
         if not self.invariant:
             return whole
         h = xs.shape[1] // 2
         f32 = jnp.float32
-        split = (original(self, xs[:, :h], w[:, :h], tiles, live).astype(f32)
-                 + original(self, xs[:, h:], w[:, h:], tiles, live).astype(f32))  # fmt: skip
+        split = (original(self, xs[:, :h], w[..., :h, :], tiles, live, layer).astype(f32)
+                 + original(self, xs[:, h:], w[..., h:, :], tiles, live, layer).astype(f32))
         # the real rows each expert serves in this step (empty slots hold row R)
         g = jnp.repeat(tiles.tile_group, tiles.block_m)
         occupied = (tiles.slot_row < tiles.row_slot.shape[0]).astype(jnp.int32)
-        rows = jnp.zeros(w.shape[0] + 1, jnp.int32).at[g].add(occupied, mode="drop")
+        rows = jnp.zeros(w.shape[-3] + 1, jnp.int32).at[g].add(occupied, mode="drop")
         many = (rows[jnp.maximum(g, 0)] >= SPLIT_MIN_ROWS)[:, None]
         return jnp.where(many, split.astype(whole.dtype), whole)
 

@@ -1,0 +1,133 @@
+"""A mixture-of-experts layer's working memory follows its tokens, not its experts' weights: the
+GPU path traced on the CPU (the platform faked, nothing compiled) at the Qwen3-30B-A3B shape.
+
+Why traced: on a GPU the grouped kernel is a Triton call, which takes whole buffers, and XLA
+rewrites "none"'s `ragged_dot` into a dense dot over every expert; a layer's expert weights
+handed over as an array [E, D, F] are then a copy of every expert, and with the layers unrolled
+XLA may hold all layers' copies at once (a 16-token decode step asked for 71 GiB). The jaxpr
+shows every array a step makes, so the bound below is checked without a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+from jdet.config import ModelConfig
+from jdet.moe import ffn_forward
+from jdet.ops import Ops
+from pallas_kernels import _platform
+from pallas_kernels import grouped_matmul as gm
+
+# Qwen3-30B-A3B's MoE block; 4 of its 48 layers (the stacks' depth does not enter the bound)
+SHAPE = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=2048, intermediate_size=6144,
+             num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+             norm_topk_prob=True)  # fmt: skip
+F_PADDED = 1024  # the "tp" layout's expert width (jdet/plan.py pad_params)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The Triton GPU backend, as a GPU process would pick it (nothing runs: trace only)."""
+    monkeypatch.delenv(_platform.INTERPRET_ENV, raising=False)
+    monkeypatch.setattr(_platform, "platform", lambda: "gpu")
+    monkeypatch.setattr(_platform, "is_hopper", lambda: False)
+    monkeypatch.setattr(_platform, "interpret_default", lambda: False)
+
+
+def _arrays(jaxpr) -> list:
+    """Every array the jaxpr (and the jaxprs inside it: jit, loops, shard_map, pallas_call's
+    operands) makes."""
+    out = []
+    for e in jaxpr.eqns:
+        out += [v.aval for v in e.outvars if hasattr(v.aval, "shape")]
+        for p in e.params.values():
+            for s in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(s, jcore.ClosedJaxpr):
+                    out += _arrays(s.jaxpr)
+                elif isinstance(s, jcore.Jaxpr):
+                    out += _arrays(s)
+    return out
+
+
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+
+
+def _trace_layer(mode: str, f: int, tokens: int = 16):
+    cfg = ModelConfig.from_hf(SHAPE)
+    L, D, E = cfg.num_layers, cfg.hidden_size, cfg.num_experts
+    bf = jnp.bfloat16
+    ffn = {"router": jax.ShapeDtypeStruct((L, D, E), bf),
+           "expert_gate": jax.ShapeDtypeStruct((L, E, D, f), bf),
+           "expert_up": jax.ShapeDtypeStruct((L, E, D, f), bf),
+           "expert_down": jax.ShapeDtypeStruct((L, E, f, D), bf)}  # fmt: skip
+    h = jax.ShapeDtypeStruct((tokens, D), bf)
+    slots = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    ops = Ops(invariance=mode)
+
+    def layer(ffn, h, slots):
+        return ffn_forward(ffn, h, jnp.int32(1), cfg, ops, slots)
+
+    return cfg, ffn, jax.make_jaxpr(layer)(ffn, h, slots).jaxpr
+
+
+@pytest.mark.parametrize("mode", ["tp", "batch"])
+def test_moe_layer_arrays_scale_with_tokens_not_expert_weights(gpu, mode):
+    f = F_PADDED if mode == "tp" else SHAPE["moe_intermediate_size"]
+    cfg, ffn, jaxpr = _trace_layer(mode, f)
+    t, k = 16, cfg.num_experts_per_tok
+    bm = gm.tile_rows()
+    # the grouped layout's slots (each of the k*T rows, and up to one partial tile per expert)
+    # times the widest row (D or F) in f32: what a 16-token layer may hold, experts aside
+    slots = gm.num_tiles(t * k, cfg.num_experts, bm) * bm
+    bound = slots * max(cfg.hidden_size, f) * 4
+    one_layer_experts = _nbytes(ffn["expert_gate"]) // cfg.num_layers  # [E, D, F] bf16
+    assert bound < one_layer_experts // 4  # the bound tells the two apart
+    made = [a for a in _arrays(jaxpr) if _nbytes(a) > bound]
+    assert not made, f"arrays past {bound / 2**20:.0f} MiB: {[a.str_short() for a in made]}"
+
+
+def test_none_mode_moe_layers_run_in_a_loop_on_a_gpu(gpu):
+    """"none" keeps `ragged_dot`, which XLA on a GPU turns into a dense dot over every expert
+    (its layer's weights as an array, the rows masked per expert): in a loop only one layer's
+    are alive, so its layers are not unrolled (jdet/model.py)."""
+    from jdet.batch import StepBatch
+    from jdet.model import forward
+    from jdet.params import abstract_params
+
+    cfg = ModelConfig.from_hf({**SHAPE, "num_hidden_layers": 2, "hidden_size": 256,
+                               "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 64, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 64})  # fmt: skip
+    ops = Ops(invariance="none")
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    batch = StepBatch(i32(4), i32(4), i32(4), i32(2), i32(1), i32(1, 4), i32(1))  # a decode
+    kv = {n: jax.ShapeDtypeStruct((2, 2, 16, 16, 64), jnp.bfloat16) for n in "kv"}
+    step = lambda p, kv, b: forward(p, cfg, kv, b, ops)  # noqa: E731
+    jaxpr = jax.make_jaxpr(step)(abstract_params(cfg), kv, batch).jaxpr
+    loops = [e for e in _all_eqns(jaxpr) if e.primitive.name in ("scan", "while")]
+    inside = [e for loop in loops for e in _all_eqns(_body(loop))]
+    ragged = [e for e in _all_eqns(jaxpr) if e.primitive.name == "ragged_dot_general"]
+    assert ragged and all(any(e is r for e in inside) for r in ragged)
+
+
+def _all_eqns(jaxpr) -> list:
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e)
+        for p in e.params.values():
+            for s in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(s, jcore.ClosedJaxpr):
+                    out += _all_eqns(s.jaxpr)
+                elif isinstance(s, jcore.Jaxpr):
+                    out += _all_eqns(s)
+    return out
+
+
+def _body(loop) -> jcore.Jaxpr:
+    body = loop.params.get("jaxpr", loop.params.get("body_jaxpr"))
+    return body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
