@@ -85,13 +85,11 @@ marks = []
 mark(marks, "start")
 import gc
 import jdet
-from jdet import exec_cache
 from jdet.settings import EngineConfig
 mark(marks, "imports")
-exec_cache.load_on_call(True)
 gc.disable()
-llm = jdet.LLM(None, EngineConfig(compile_cache=False, sampler_variants="on-demand"),
-               warmup=False)
+llm = jdet.LLM(None, EngineConfig(compile_cache=False, sampler_variants="on-demand",
+                                  exec_cache_on_call=True), warmup=False)
 mark(marks, "llm")
 sp = jdet.SamplingParams(temperature=0.0, max_tokens=24, seed=0)
 it = iter(llm.stream(sys.argv[1], sp))

@@ -17,7 +17,7 @@ import sys
 import jax
 
 import jdet
-from jdet import exec_cache, spec_config
+from jdet import spec_config
 from jdet.plan import backend
 from jdet.settings import EngineConfig, ServerConfig, add_flags, from_args
 from jdet.version import __version__
@@ -86,10 +86,7 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
     # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded
     # model). Chunked prefill gives the same bits.
-    engine = _one_shape_budget(engine, spec)
-    if engine.sampler_variants == "auto":  # each variant compiled at its first step
-        engine = dataclasses.replace(engine, sampler_variants="on-demand")
-    exec_cache.load_on_call(True)
+    engine = _generate_config(engine, spec)
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
@@ -108,7 +105,6 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
             print(delta, end="", flush=True)
         print()
     finally:
-        exec_cache.load_on_call(False)
         if gc_was_on:
             gc.enable()
     return 0
@@ -127,6 +123,16 @@ def _exit_now(rc: int) -> None:
         except (OSError, ValueError):  # a closed pipe (`jdet generate ... | head`)
             pass
     os._exit(rc)
+
+
+def _generate_config(engine: EngineConfig, spec: object) -> EngineConfig:
+    """The config `jdet generate` runs: one step shape where that is safe (`_one_shape_budget`),
+    each sampler variant compiled at its first step, each step shape loaded from the executable
+    cache (or compiled and written there) at its first call."""
+    engine = _one_shape_budget(engine, spec)
+    if engine.sampler_variants == "auto":
+        engine = dataclasses.replace(engine, sampler_variants="on-demand")
+    return dataclasses.replace(engine, exec_cache_on_call=True)
 
 
 def _one_shape_budget(engine: EngineConfig, spec: object) -> EngineConfig:

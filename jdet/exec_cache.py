@@ -2,20 +2,21 @@
 tracing and lowering that JAX's persistent compilation cache cannot skip.
 
 Why: with the XLA cache hit, a restart still traces and lowers every step shape before JAX can
-look its HLO up (the XLA key is a hash of the lowered module): ~2.3 s a shape on the 8B model,
-since lowering the Pallas Mosaic GPU kernels is Python-heavy, so warm-up took 0.34 of a cold
-start. Here the step's compiled executable is serialized (`jax.experimental.serialize_executable`)
-under a key jdet computes *without* tracing, and loaded back at the next warm-up.
+look its HLO up (the XLA key is a hash of the lowered module), and lowering the Pallas Mosaic GPU
+kernels is Python-heavy: a large share of a cold start (BENCHMARKS.md, benchmarks/ready_bench.py).
+Here the step's compiled executable is serialized (`jax.experimental.serialize_executable`) under
+a key jdet computes *without* tracing, and loaded back at the next warm-up.
 
 Where: `<compile cache dir>/exec/<sha256>.jdetexe` (jdet/compile_cache.py: `$JDET_CACHE_DIR` or
 ~/.cache/jdet/xla); `--no-compile-cache` / `compile_cache=False` turns this off too, and so does
 `JDET_EXEC_CACHE=0` alone (the XLA cache stays). Entries are written atomically (a temporary file,
 then `os.replace`). Only warm-up reads or writes them (`prepare`); a shape met later runs the
-plain jit, unless the process asked for `load_on_call(True)` (`jdet generate`, which warms up
-nothing: each shape it meets is loaded, or compiled and written, at its first call). Any error
-loading an entry is logged as a warning and the shape is compiled the ordinary way (its entry
-rewritten); an entry whose recorded key parts differ from this process's is refused the same
-way. Like JAX's own cache, an entry is trusted code: it is unpickled.
+plain jit, unless the engine's config sets `exec_cache_on_call` (`wrap(load_on_call=True)`), as
+`jdet generate` does, which warms up nothing: each shape it meets is loaded, or compiled and
+written, at its first call. Any error loading an entry is logged as a warning and the shape is
+compiled the ordinary way (its entry rewritten); an entry whose recorded key parts differ from
+this process's is refused the same way. Like JAX's own cache, an entry is trusted code: it is
+unpickled.
 Size: past `JDET_EXEC_CACHE_MAX_BYTES` (default 4 GiB) a write deletes the least recently used
 entries (a load refreshes an entry's time) down to 3/4 of it, so entries of old jdet sources do
 not pile up.
@@ -74,18 +75,6 @@ def stats() -> dict[str, float]:
     return dict(_counts)
 
 
-_load_on_call = False
-
-
-def load_on_call(on: bool = True) -> None:
-    """Process-wide: a cached function's first call of a shape warms it (loads the executable,
-    or compiles and writes it) instead of running the plain jit. Why: `jdet generate` runs
-    without warm-up (one prompt meets two or three shapes), so without this its second run still
-    traced and lowered the step (~1.4 s of a ~3 s command on the 2-core CPU machine)."""
-    global _load_on_call
-    _load_on_call = on
-
-
 def enabled_by_env() -> bool:
     return os.environ.get("JDET_EXEC_CACHE", "1") != "0"
 
@@ -111,16 +100,20 @@ class CachedFn:
     Called like the jitted function. `warm(*args)` (warm-up only) loads the executable of the
     arguments' shape from the cache directory, or compiles it (lower + compile, the XLA cache
     still applies) and writes it there; later calls with that shape run it directly, other
-    shapes the plain jit. Attributes it lacks (`lower`, ...) are the jitted function's.
+    shapes the plain jit. With `load_on_call` a shape's first call warms it instead (loads the
+    executable, or compiles and writes it), for a process that warms nothing up: its second run
+    then neither traces nor lowers the shapes it meets. Attributes it lacks (`lower`, ...) are
+    the jitted function's.
     `params_first`: the first argument is the weights, checked apart from the shapes (`_sig`);
     False for a function of activations only (the sampler), whose every argument is keyed.
     Warm-ups of one shape in several threads compile it once (the others wait for it)."""
 
     def __init__(
         self, fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path,
-        params_first: bool = True,
+        params_first: bool = True, load_on_call: bool = False,
     ) -> None:  # fmt: skip
         self.fn = fn
+        self.load_on_call = load_on_call
         self.name = name
         self.static = static
         self.devices = list(devices)
@@ -156,7 +149,7 @@ class CachedFn:
             exe = self._exes.get(self._sig(args))
             if exe is not None:
                 return exe(*args)
-        if _load_on_call:  # `load_on_call`: warm this shape now, then run its executable
+        if self.load_on_call:  # warm this shape now, then run its executable
             self.warm(*args)
             return self._exes[self._sig(args)](*args)
         return self.fn(*args)
@@ -305,16 +298,18 @@ def evict(directory: Path, max_bytes: int | None = None) -> int:
 
 def wrap(
     fn: Callable, *, name: str, static: dict, devices: Sequence[Any], directory: Path | None,
-    params_first: bool = True,
+    params_first: bool = True, load_on_call: bool = False,
 ) -> Callable:  # fmt: skip
     """`fn` behind the executable cache in `directory`, or `fn` itself when the cache is off
-    (no directory, JDET_EXEC_CACHE=0, or a JAX without executable serialization)."""
+    (no directory, JDET_EXEC_CACHE=0, or a JAX without executable serialization).
+    `load_on_call`: each shape is loaded (or compiled and written) at its first call, not only
+    at warm-up (CachedFn)."""
     if directory is None or not enabled_by_env() or _serializer() is None:
         return fn
     if not callable(getattr(fn, "lower", None)):
         return fn  # not a jitted function
     return CachedFn(fn, name=name, static=static, devices=devices, directory=directory,
-                    params_first=params_first)  # fmt: skip
+                    params_first=params_first, load_on_call=load_on_call)  # fmt: skip
 
 
 def prepare(fn: Callable, *args: Any) -> str | None:

@@ -72,6 +72,12 @@ class EngineConfig:
         True, "persistent XLA compilation cache: --compile-cache-dir DIR (default "
         "$JDET_CACHE_DIR or ~/.cache/jdet/xla) or --no-compile-cache", flag="--compile-cache-dir",
     )  # fmt: skip
+    exec_cache_on_call: bool = _opt(
+        False, "load each step shape's executable from jdet's executable cache, or compile it and "
+        "write it there, at the shape's first call rather than only at warm-up: for a run that "
+        "warms nothing up, whose next run then neither traces nor compiles (jdet generate sets "
+        "it; jdet/exec_cache.py)",
+    )  # fmt: skip
     sampler_variants: str = _opt(
         "auto", "the sampler variants steps may run, each its own executable that warm-up "
         "compiles (serving/engine/sampler_variants.py): 'auto' (lean and full on a GPU, greedy "

@@ -196,7 +196,8 @@ class ModelRunner:
 
     def _exec_cached(self, fn: Callable, kind: str, params_first: bool = True) -> Callable:
         """`fn` behind jdet's executable cache (jdet/exec_cache.py; off with the compile cache):
-        warm-up loads each shape's executable from disk instead of tracing it."""
+        warm-up loads each shape's executable from disk instead of tracing it, and so does each
+        shape's first call with the config's `exec_cache_on_call`."""
         static: dict[str, Any] = {"cfg": repr(self.cfg), "invariance": self.invariance}
         if self._mesh is not None:
             name = f"sharding.tp.make_tp_{kind}"
@@ -208,7 +209,7 @@ class ModelRunner:
             static["ops"] = repr(Ops(invariance=self.invariance))
         return exec_cache.wrap(
             fn, name=name, static=static, devices=devices, directory=compile_cache.exec_dir(),
-            params_first=params_first,
+            params_first=params_first, load_on_call=self.config.exec_cache_on_call,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ host side

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jdet.cli import main
+from jdet.cli import _generate_config, main
+from jdet.settings import EngineConfig
 
 
 def test_generate_streams_the_prompt_and_its_continuation(capsys):
@@ -10,6 +11,15 @@ def test_generate_streams_the_prompt_and_its_continuation(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("Return a list of") and len(out.strip()) > len("Return a list of")
+
+
+def test_generate_loads_each_shape_at_its_first_call_and_compiles_variants_on_demand():
+    """`jdet generate` warms nothing up: its config asks the executable cache to serve each step
+    shape at its first call (jdet/exec_cache.py), which no other entry point's default does."""
+    cfg = _generate_config(EngineConfig(), None)
+    assert cfg.exec_cache_on_call and cfg.sampler_variants == "on-demand"
+    assert not EngineConfig().exec_cache_on_call
+    assert _generate_config(EngineConfig(sampler_variants="full"), None).sampler_variants == "full"
 
 
 def test_unknown_flag_is_an_error():

@@ -47,10 +47,10 @@ def args(n=8, d=16, seed=0):
     return params, kv, batch, rng.standard_normal(d).astype(np.float32)
 
 
-def wrapped(directory, name="toy", static=None):
+def wrapped(directory, name="toy", static=None, load_on_call=False):
     return exec_cache.wrap(
         fresh_jit(), name=name, static=static or {"cfg": "toy"}, devices=jax.devices()[:1],
-        directory=directory,
+        directory=directory, load_on_call=load_on_call,
     )  # fmt: skip
 
 
@@ -84,23 +84,22 @@ def test_a_second_start_loads_the_executable_without_tracing(tmp_path):
     assert traces() == before + 2
 
 
-def test_load_on_call_writes_then_loads_the_shapes_a_process_meets(tmp_path, monkeypatch):
-    """`jdet generate`'s mode: no warm-up; the first call of a shape writes its entry, and the
-    next process's first call loads it (no trace), with the same bits."""
-    monkeypatch.setattr(exec_cache, "_load_on_call", False)
+def test_load_on_call_writes_then_loads_the_shapes_a_process_meets(tmp_path):
+    """`jdet generate`'s mode (EngineConfig.exec_cache_on_call): no warm-up; the first call of a
+    shape writes its entry, and the next process's first call loads it (no trace), with the same
+    bits."""
     compile_cache.install_counter()
     _, want = fresh_jit()(*args())
-    exec_cache.load_on_call(True)
-    _, got = wrapped(tmp_path)(*args())  # no warm(): the call itself compiles and writes
+    # no warm(): the call itself compiles and writes
+    _, got = wrapped(tmp_path, load_on_call=True)(*args())
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert len(list(tmp_path.glob("*" + exec_cache.SUFFIX))) == 1
     before, loads = traces(), exec_cache.stats()["loads"]
-    _, got = wrapped(tmp_path)(*args())  # a restart
+    _, got = wrapped(tmp_path, load_on_call=True)(*args())  # a restart
     assert traces() == before and exec_cache.stats()["loads"] == loads + 1
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # Negative control: without load_on_call the same call runs the plain jit (traced, nothing
     # loaded), as every caller but `jdet generate` does.
-    exec_cache.load_on_call(False)
     wrapped(tmp_path)(*args())
     assert traces() == before + 1 and exec_cache.stats()["loads"] == loads + 1
 

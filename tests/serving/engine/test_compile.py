@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet import compile_cache
+from jdet import compile_cache, exec_cache
 from jdet.plan import backend
 from serving.engine import sampler_variants
-from serving.engine.host_inputs import split_step_here
+from serving.engine.host_inputs import SplitScore, split_step_here
 
 # One xdist worker for the whole module (tests/conftest.py: --dist loadgroup): the warm-up tests
 # compile the same step shapes (SETTINGS, 10 pages), which the server test then finds compiled
@@ -251,6 +251,19 @@ def test_bits_are_the_same_with_and_without_the_cache_and_after_a_restart(
     # Negative control of the comparison: another seed does change the bits it compares.
     assert cold["other_seed"]["tokens"] != cold["tokens"]
     assert cold["other_seed"]["logprobs"] != cold["logprobs"]
+
+
+def test_the_engine_config_decides_whether_a_first_call_loads_the_executable(serving_model):
+    """`EngineConfig.exec_cache_on_call` (what `jdet generate` sets) reaches the cached step and
+    score functions; off by default, where only warm-up loads (jdet/exec_cache.py)."""
+    from serving.engine.engine import Engine
+
+    for on in (False, True):
+        runner = Engine(serving_model, **SETTINGS, num_pages=10, exec_cache_on_call=on).runner
+        score = runner.score_step()  # a CachedFn, or on a CPU a SplitScore around one
+        cached = [runner.step_fn.fn, score.fn if isinstance(score, SplitScore) else score]
+        assert all(isinstance(f, exec_cache.CachedFn) for f in cached), cached
+        assert [f.load_on_call for f in cached] == [on, on]
 
 
 def test_shape_set_is_bounded_and_covers_every_step():
