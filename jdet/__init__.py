@@ -39,7 +39,7 @@ def __dir__() -> list[str]:
 
 def serve(model: Model | str | None = None, **kwargs: object) -> None:
     """Blocking OpenAI-compatible server (settings: jdet/settings.py; serving/http/launch.py)."""
-    from serving.http.launch import serve as _serve  # an entry point (see _LAZY); FastAPI: ~0.8 s
+    from serving.http.launch import serve as _serve  # an entry point (see _LAZY); FastAPI: slow
 
     _serve(model, **kwargs)
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 _exit_now(rc)
             return rc
         if a.cmd == "serve":
-            from serving.http.launch import serve  # FastAPI: ~0.8 s to import, `jdet serve` only
+            from serving.http.launch import serve  # FastAPI is a slow import: `jdet serve` only
 
             kw = dataclasses.asdict(engine)
             kw["speculative"] = spec
@@ -72,20 +72,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) -> int:
     # One prompt: compile only the shapes it meets (two or three) instead of warming the whole
-    # shape set (12 on the CPU defaults, minutes there); `jdet serve` and `jdet.LLM` still warm up.
+    # shape set (12 on the CPU defaults); `jdet serve` and `jdet.LLM` still warm up.
     # Each shape met is loaded from jdet's executable cache (or compiled and written there) at its
     # first call, so a second run neither traces nor compiles (jdet/exec_cache.py). Its steps run
     # the smallest sampler variant that serves the prompt (sampler_variants.ON_DEMAND: a greedy
     # prompt's step has no draw and no logits transforms), the only one it compiles.
     # No cyclic GC until the first token: start-up allocates most of the process's objects
-    # (tracing), and the collector walked them ~230 times, ~0.25 s of CPU in a warm-cache run
-    # (gc.callbacks); the garbage cycles of start-up are collected once it is back on.
+    # (tracing), and the collector walked them again and again, a visible share of a warm-cache
+    # run's CPU (gc.callbacks; benchmarks/cpu_bench.py times the phases); the garbage cycles of
+    # start-up are collected once it is back on.
     # Its steps are compiled with the engine's own XLA options: a faster-compiling option set
     # gave other log-probs (jdet/step.py, above `_parse_options`).
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
-    # instead of one more per prompt-length bucket (a second compile, ~2-3 CPU s of the embedded
-    # model). Chunked prefill gives the same bits.
+    # instead of one more per prompt-length bucket (a second compile, longer than the rest of a
+    # warm run: BENCHMARKS.md, CPU). Chunked prefill gives the same bits.
     engine = _generate_config(engine, spec)
     gc_was_on = gc.isenabled()
     gc.disable()
@@ -112,9 +113,9 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
 
 def _exit_now(rc: int) -> None:
     """End the process at once, output flushed. Why: interpreter and JAX teardown (atexit:
-    clearing backends and caches, freeing every module) took ~0.45 s of a ~5 s cold `jdet
-    generate` on the 2-core machine (3 runs, load ~3), after its last token. Nothing is pending:
-    the caches are written when a shape compiles, and effects are awaited here first."""
+    clearing backends and caches, freeing every module) is a noticeable share of a cold `jdet
+    generate` (benchmarks/cpu_bench.py), spent after its last token. Nothing is pending: the
+    caches are written when a shape compiles, and effects are awaited here first."""
     jax.effects_barrier()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -39,7 +39,7 @@ _ENV_SKIP = ("JDET_CACHE_DIR", "JDET_WARMUP", "JDET_EXEC_CACHE", "JDET_EXEC_CACH
 _CONFIG_SKIP = ("compilation_cache", "persistent_cache")
 # Modules only a Hopper GPU's kernels trace (pallas_kernels.matmul.resolve_backend gives
 # "mosaic" on sm_90 alone). Off a GPU the runtime digest leaves them out instead of importing
-# them: their import pulls in jax.experimental.pallas.mosaic_gpu, ~0.5 s of CPU in every
+# them: their import pulls in jax.experimental.pallas.mosaic_gpu, a slow import, in every
 # `jdet generate` on a CPU (it keys its steps at their first call), and off a GPU no step can
 # trace them, so no monkeypatch of theirs can change the executable. Their files are still in
 # `source_hash`, and the platform is in the key.

@@ -169,7 +169,7 @@ def load_hf_params(d: Path, cfg: ModelConfig, dtype: Any, progress: bool | None 
             if bar is not None:
                 bar.update(1)
         # device_put, not jnp.asarray: the latter compiles a copy program per weight shape
-        # (~0.15 s CPU of a cold `jdet generate` for the embedded model's 8 shapes)
+        # (a compile for each of the embedded model's 8 shapes in a cold `jdet generate`)
         set_path(params, s.path, jax.device_put(out))
     if bar is not None:
         bar.close()

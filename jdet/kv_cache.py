@@ -5,8 +5,8 @@ shards axis 1. The cache is donated to the step function and updated in place by
 On a CPU a 16-bit float cache is *stored* as uint16 (the same bits; `storage_dtype`): XLA CPU has
 no bf16 scatter or gather and converts the whole stacked cache to f32 and back around each one;
 bitcasting the bf16 cache to uint16 inside the step avoided that, but each bitcast of the pool is
-itself a copy of the whole pool (4 per layer per step, measured: most of a decode step with 128
-pages, ~1 s per step with 4096). Stored as uint16, only the written rows and the gathered pages
+itself a copy of the whole pool (4 per layer per step: most of a decode step, growing with the
+pool). Stored as uint16, only the written rows and the gathered pages
 are ever bitcast. Readers take the float type from the query (`kv_compute_dtype`).
 """
 

@@ -129,7 +129,7 @@ def save(model: Model, path: str | Path) -> Path:
     change where generation stops) + tokenizer files with the chat template; `load(path)` reads
     it back to a model with the same bits and the same `system_fingerprint`. Relative paths
     are fine (orbax wants absolute ones; they are resolved here)."""
-    import orbax.checkpoint as ocp  # ~0.3 s to import: native checkpoints only
+    import orbax.checkpoint as ocp  # a slow import: native checkpoints only
 
     d = Path(path).absolute()
     d.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def save(model: Model, path: str | Path) -> Path:
 
 
 def _load_native(d: Path, dtype: Any) -> Model:
-    import orbax.checkpoint as ocp  # ~0.3 s to import: native checkpoints only
+    import orbax.checkpoint as ocp  # a slow import: native checkpoints only
 
     d = d.absolute()  # orbax refuses relative paths
     raw = read_json(d / "config.json", "the config.json written by jdet.save()")

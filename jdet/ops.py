@@ -169,7 +169,7 @@ class Ops:
         independent, so this changes no bit of a real row. T elsewhere."""
         if not (self.invariant and self.pad_rows and backend().hopper):
             return t
-        from pallas_kernels import matmul_mosaic  # imports Mosaic GPU: ~0.3 s, Hopper only
+        from pallas_kernels import matmul_mosaic  # slow Mosaic GPU import: Hopper only
 
         small = matmul_mosaic.decode_rows(t, self.decode_tiles)
         m = matmul_mosaic.SMALL_M_ROWS if small else matmul_mosaic.BLOCK_M

@@ -242,7 +242,7 @@ def shares_buffer(old: Any, new: Any) -> bool:
 def _on_host(x: Any) -> bool:
     """A concrete array on one CPU device: padded/transposed by numpy here, because a jnp op on
     a concrete array compiles a program per shape (w_gate/w_up, w_down and the tied lm_head's
-    transpose: ~0.35 s CPU of a cold `jdet generate`, more than the copies). GPU arrays and
+    transpose: more of a cold `jdet generate` than the copies take). GPU arrays and
     tracers stay in XLA (no device -> host round trip of a large model)."""
     if isinstance(x, np.ndarray):
         return True

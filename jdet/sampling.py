@@ -214,9 +214,9 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, ops: Ops
     On a GPU the skip would be a `lax.cond` whose branch holds a sort (a cub custom call XLA
     cannot capture in a CUDA graph), so XLA runs it as a host-side conditional: the host thread
     copies the predicate back and so waits for the whole forward before it can launch the sampler
-    — every step would be synchronous. There the filter runs
-    for every step (one sort of the [N, V] logits: ≈ 40 µs at N = 1, V = 128k) and rows that do
-    not ask keep their logits through a select: the same bits either way. A step none of whose
+    — every step would be synchronous. There the filter runs for every step (one sort of the
+    [N, V] logits: the FULL sampler's cost in BENCHMARKS.md, Defaults and memory) and rows that
+    do not ask keep their logits through a select: the same bits either way. A step none of whose
     rows filters does not build it at all (`SamplingInputs.filter_topk_topp`, static)."""
     if not backend().gpu:
         needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
@@ -251,8 +251,8 @@ def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
 def _draw_unless_greedy(draw, scaled: jax.Array, greedy: jax.Array, temperature: jax.Array):
     """draw(scaled), skipped off a GPU when every row is greedy (its result is then unused).
 
-    Why: the Gumbel noise is V random numbers per row (threefry) plus two logs, ~2-3 ms of a
-    CPU decode step of the embedded model, whose rows are all greedy in the common case. Rows
+    Why: the Gumbel noise is V random numbers per row (threefry) plus two logs, a large share of
+    a CPU decode step of the embedded model, whose rows are all greedy in the common case. Rows
     that sample get the same draw either way. On a GPU the skip would be a host-side
     conditional, as for the top-k/top-p filter (`_top_k_top_p`), so it always draws there."""
     if backend().gpu:

@@ -80,15 +80,14 @@ OPTIONS_ENV = "JDET_NONE_XLA_OPTIONS"
 
 # On a CPU the step runs on one thread: XLA's intra-op parallelism (its dots and partitioned loops
 # split over a thread pool) costs more than it gives for the small steps a CPU serves, and much
-# more on a shared machine (a CI worker per core): batch-1 "tp" decode of the embedded model at
-# load ~12 on the 2-core machine, 16.0 ms wall / 9.0 ms CPU per step threaded, 7.9 / 7.5 ms on one
-# thread; same bits (the dots' shapes fix their arithmetic; checked on generate + score).
+# more on a shared machine (a CI worker per core), where the threads wait for cores; same bits
+# (the dots' shapes fix their arithmetic; checked on generate + score).
 CPU_XLA_OPTIONS = {"xla_cpu_multi_thread_eigen": False}
 CPU_OPTIONS_ENV = "JDET_CPU_XLA_OPTIONS"
 
 # No XLA option that changes a step's bits may be set here: score functions run under their
 # caller's options (jdet.train nests them), so the sampler and score() would part. XLA's legacy CPU
-# emitters (`xla_cpu_use_fusion_emitters=False`, ~1/3 less compile) are such an option: steps
+# emitters (`xla_cpu_use_fusion_emitters=False`, faster compiles) are such an option: steps
 # compiled with them gave log-probs that left an engine's after ~23 tokens of a 128-token greedy
 # run. LLVM's optimization level (`xla_backend_optimization_level`, XLA's default 3) is another:
 # with the step at 0 and jdet.train's forward nested at 3, train left the sampler's log-probs

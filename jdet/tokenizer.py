@@ -1,7 +1,7 @@
 """A tokenizer that answers the hot calls with the `tokenizers` library and loads transformers' only
 when something else is asked of it.
 
-Importing transformers costs about 4 s on a 2-core machine, most of `jdet generate`'s run. What
+Importing transformers on a small CPU takes longer than the rest of `jdet generate`'s run. What
 the engine and `LLM.generate` need (encode a text, decode ids, the special token ids, the vocab
 size) is the Rust `tokenizers.Tokenizer` that transformers wraps, loaded from the same
 tokenizer.json with the same changes transformers' generic `TokenizersBackend` makes at load

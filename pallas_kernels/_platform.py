@@ -199,8 +199,8 @@ def matmul_weight_dtype(dtype: Any) -> Any:
     16-bit float weight on the xla_fixed CPU path, else `dtype` unchanged.
 
     Why: XLA CPU computes a bf16 dot by converting both operands to f32 on every call, so a bf16
-    weight passed to the step is converted again in every layer of every step (measured: about
-    half of a batch-1 decode step of the embedded model). Held as f32 once, the weights feed the
+    weight passed to the step is converted again in every layer of every step (a large share of
+    a batch-1 decode step of the embedded model). Held as f32 once, the weights feed the
     fixed-shape f32 dots directly. The dots then run in f32 (the activations are cast up,
     exactly), which gives other CPU bits than bf16 operands did; every TP size and batch shares
     them (jdet/plan.py `prepare_params` applies it for every TP size alike)."""

@@ -208,7 +208,7 @@ def _grouped_kernel(tg_ref, l_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, nu
                                              "live_n"))
 def _grouped_pallas(xs, w, layer, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
                     live_k: int | None = None, live_n: int | None = None):  # fmt: skip
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     dtype = jnp.promote_types(xs.dtype, w.dtype)
     xs, w = xs.astype(dtype), w.astype(dtype)

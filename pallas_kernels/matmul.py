@@ -124,7 +124,7 @@ def _matmul_kernel(a_ref, b_ref, o_ref, *, cfg: TileConfig, num_tiles: int, prec
 
 def tiled_pallas_call(kernel, a: jax.Array, b: jax.Array, cfg: TileConfig, out_dtype, name: str):
     """Run `kernel(a_ref[bm, Kp], b_ref[Kp, bn], o_ref[bm, bn])` over the padded (M, N) grid."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     m, n = a.shape[0], b.shape[1]
     a_p = _pad_to(_pad_to(a, 0, cfg.block_m), 1, cfg.block_k)
@@ -182,7 +182,7 @@ def matmul(
     if resolved == "xla":
         return xla_fixed.matmul(a, b, out_dtype)
     if resolved == "mosaic":
-        from pallas_kernels import matmul_mosaic  # Mosaic GPU (~0.5 s): Hopper only
+        from pallas_kernels import matmul_mosaic  # slow Mosaic GPU import: Hopper only
 
         if matmul_mosaic.supports(a.shape[1], b.shape[1], dtype):
             return matmul_mosaic.matmul(a.astype(dtype), b.astype(dtype), out_dtype, tiles=tiles)

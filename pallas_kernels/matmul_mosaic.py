@@ -107,8 +107,8 @@ def decode_config(out_dtype, subtree: int = 1, cta_n: int | None = None,
     way, the same wgmma instructions per element; only the CTA count (and so the SMs streaming
     weights) changes. 128-wide K steps halve the producer/consumer barrier round trips per CTA;
     the instructions and their order stay those of two 64-wide steps. 64 x 64 CTAs with 128-wide
-    K steps are faster than 64 x 128 with 64-wide K at batch 1 on an H100 (measured with
-    benchmarks/tile_probe.py, a few per cent of the 8B and 0.6B steps): the q|k|v product
+    K steps are faster than 64 x 128 with 64-wide K at batch 1 on an H100
+    (benchmarks/tile_probe.py; BENCHMARKS.md, Kernels): the q|k|v product
     (N = 6144) gets 96 CTAs on 132 SMs instead of 48. tests/pallas_kernels/test_matmul.py checks
     every combination against the 128-row plan on the GPU."""
     wgs = (cta_n or tiles.cta_n) // 64

@@ -98,13 +98,13 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _masked_load(ref, mask, other):
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     return pltriton.load(ref, mask=mask, other=other)
 
 
 def _masked_store(ref, val, mask):
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     pltriton.store(ref, val, mask=mask)
 
@@ -348,7 +348,7 @@ def _merge_rows_kernel(lim_ref, tok_ref, ok_ref, acc_ref, m_ref, l_ref, o_ref, *
     same values, so the same bits), and zeros head k's columns of the output rows no token owns
     (padding tokens, rows T..rows_out: the next matmul's padding), rows i*block_q + r +
     n*num_tiles*block_q. Saves the gather + select fusion after the merge."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     i, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lim = lim_ref[...]  # [G_pad]: row r of tile i, its G_pad heads; < 0: not attended

@@ -127,7 +127,7 @@ def _paged_attention_pallas(
     parameters exist for tests and benchmarks; the defaults are the plan, and every call that
     must agree bitwise has to use the same values.
     """
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     q_tiles = None
     if q_heads is not None:  # the tile layout already (docstring); q[T, H, E] is its shape

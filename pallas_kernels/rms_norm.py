@@ -29,7 +29,7 @@ from pallas_kernels.combine import combine_tree
 def _load(ref, mask, other):
     """Masked load where the block is ragged; a plain load (Triton rejects `other` without a
     mask) where it is not."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     if mask is None:
         return pltriton.load(ref)
@@ -40,8 +40,9 @@ def _load(ref, mask, other):
 # once, squared and summed by one fixed-shape reduction, normalised from registers. Why 8192 and
 # not the former 1024: a 4096-wide row (8B models) took 4 dependent load steps per pass and two
 # passes (the second re-reading x and, in add_rms_norm, every f32 part), a chain of ~8 memory
-# latencies in a one-row program (add_rms_norm ~4.8 us a call on an H100 at batch 1, two calls
-# a layer). A plan choice: 1024 restores the former bits for D > 1024 (D <= 1024 is unchanged).
+# latencies in a one-row program (add_rms_norm runs twice a layer; its time a call: BENCHMARKS.md,
+# where the 8B step goes). A plan choice: 1024 restores the former bits for D > 1024 (D <= 1024
+# is unchanged).
 MAX_BLOCK_D = 8192
 
 
@@ -60,7 +61,7 @@ def warps_for(block_d: int) -> int:
 def _compiler_params(block_d: int, interpret: bool):
     """The Triton launch of every norm kernel here (None in interpret mode): `warps_for(block_d)`
     warps, one stage; one place, since the warp count is part of the reduction plan."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     if interpret:
         return None
@@ -72,7 +73,7 @@ def _rms_kernel(*refs, eps: float, block_d: int, stacked: bool, heads: tuple[int
     first operand holds the layer: reading the layer's slice here saves the scan a copy (a
     launch) per norm per layer. With `heads` = (H, K) (`head_rms_norm`), there are two weight
     stacks, q's and k's, and row i takes q's where i % (H + K) < H: the same arithmetic."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     q_heads, kv_heads = heads
     if q_heads:
@@ -189,7 +190,7 @@ def head_rms_norm(
     k_w[layer] (the stacks [L, E]).
 
     Why: Qwen3's q/k head norms ran as three slices of the projection's rows (q, k, v: XLA
-    copies) and two norm launches per layer (~6.6 us a layer on an H100 at batch 1); this is
+    copies) and two norm launches per layer, launch-bound at batch 1; this is
     one launch, and `rope_kv` then reads v from the projection's rows directly. Bits: each row
     is `rms_norm`'s program (same block_d, same warps, same rounding points) on the same values
     with the same weight row, so the result equals `rms_norm(q.reshape(-1, E), q_w, layer=...)`
@@ -242,7 +243,7 @@ def _add_rms_kernel(layer_ref, x_ref, p_ref, w_ref, r_ref, o_ref, *, eps: float,
     """One row of add_rms_norm: r = x + combine_tree(parts) (cast to x.dtype first, as
     tree_matmul does), then `_rms_kernel`'s arithmetic on r. p_ref is the flat [G*T*D] parts
     array (indexed like the stacked weight: the proven way to address a slice in place)."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     d = x_ref.shape[0]
     row = pl.program_id(0)
@@ -295,7 +296,7 @@ def add_rms_norm(
     row-parallel projection's combine, the residual add and the next RMSNorm in one launch.
 
     Why: after o_proj the decode step ran the tree combine + residual add as one XLA fusion and
-    then the norm kernel, two launches of ~2-3 µs for a few KB; this is one. Bits: the combine is
+    then the norm kernel, two launch-bound launches for a few KB; this is one. Bits: the combine is
     the same f32 additions in the same order (combine_tree), r is rounded to x.dtype as XLA's
     add is, and the norm is `rms_norm`'s reduction plan (same block_d, same warps), so r and the
     normed rows equal the three-step path's bitwise (tests/jdet/test_step_fusion.py: in

@@ -2,7 +2,8 @@
 
 Why: around attention a decode layer ran five small XLA fusions (v select, v
 dynamic-update-slice into the cache, k slice, k RoPE + update-slice, q RoPE + transpose/pad into
-the attention kernel's query tiles): ~7 us a layer on an H100 at batch 1, launch-bound. This
+the attention kernel's query tiles), launch-bound at batch 1 (BENCHMARKS.md, where the 8B step
+goes). This
 kernel does all of it in one launch, reading the q|k|v projection's rows where they are.
 
 Arithmetic (no reduction): x*cos + rotate_half(x)*sin in f32, rounded to x's dtype, exactly the
@@ -62,7 +63,7 @@ def _store_cols(ref, rows, col0: int, width: int, val, ok) -> None:
 
     Array indices on both axes (not an array + a slice): the form both the Triton lowering and
     interpret mode's masked store take."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     cols = col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)
     mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], width))
@@ -166,7 +167,7 @@ def rope_kv(
 @functools.partial(jax.jit, static_argnames=("q_heads", "rows", "num_warps"))
 def _rope_kv(qkv, cos, sin, slot_mapping, k_cache, v_cache, tok_c, layer, *, q_heads: int,
              rows: int, num_warps: int):  # fmt: skip
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(

@@ -1,8 +1,8 @@
 """The MLP's gate|up projection with SwiGLU in the matmul's epilogue (Hopper, Mosaic GPU).
 
 Why: a decode layer ran the fused gate|up product (writing [rows, 2F] bf16) and then one XLA
-fusion for silu(gate) * up (reading it back, writing [rows, F]): a launch of ~2.5 us a layer on
-an H100 at batch 1, and the 2F-wide intermediate. Here each work item of the BIO kernel
+fusion for silu(gate) * up (reading it back, writing [rows, F]): one more launch a layer,
+launch-bound at batch 1, and the 2F-wide intermediate. Here each work item of the BIO kernel
 (matmul_mosaic.py `_kernel`, `swiglu=True`) accumulates its n tile of gate and the same n tile
 of up side by side and writes silu(gate) * up.
 
@@ -41,7 +41,7 @@ def swiglu_config(m: int, out_dtype, tiles: DecodeTiles = DEFAULT_TILES):
     """CTA plan: the decode CTA (64 rows, one warpgroup, 64 output columns) at M <= 64; else
     128 rows, two warpgroups of 64 output columns side by side. Stages fill SMEM with one A
     and two B (gate, up) tiles each."""
-    from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
+    from pallas_kernels import matmul_mosaic as mm  # slow Mosaic GPU import: Hopper only
 
     if mm.decode_rows(m, tiles):
         cfg = mm.decode_config(out_dtype, cta_n=64, tiles=tiles)
@@ -57,7 +57,7 @@ def matmul_swiglu(h: jax.Array, w: jax.Array, out_dtype=None,
                   tiles: DecodeTiles = DEFAULT_TILES) -> jax.Array:  # fmt: skip
     """silu(h @ w[:, :F]) * (h @ w[:, F:]) for w = [gate | up] [K, 2F]: [M, F] in out_dtype
     (default h's). Call only where `supported(K, 2F, dtype)`."""
-    from pallas_kernels import matmul_mosaic as mm  # Mosaic GPU (~0.5 s): Hopper only
+    from pallas_kernels import matmul_mosaic as mm  # slow Mosaic GPU import: Hopper only
 
     m, k = h.shape
     if w.ndim != 2 or w.shape[0] != k or not supported(k, w.shape[1], w.dtype):

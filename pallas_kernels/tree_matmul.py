@@ -115,7 +115,7 @@ def _subtree(a, b, *, k_total: int, num_leaves: int, out_dtype, backend: str | N
             a, b, leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=jnp.dtype(out_dtype)
         )
     if resolved == "mosaic":
-        from pallas_kernels import matmul_mosaic, tree_mosaic  # Mosaic GPU (~0.5 s): Hopper only
+        from pallas_kernels import matmul_mosaic, tree_mosaic  # slow Mosaic GPU import: Hopper only
 
         if matmul_mosaic.supports(k_total, b.shape[1], dtype, tree=True):
             return tree_mosaic.tree_matmul(
@@ -158,7 +158,7 @@ def tree_matmul_parts(
     dtype = _mm._check_operands(a, b)
     if _mm.resolve_backend(backend) != "mosaic":
         return None
-    from pallas_kernels import matmul_mosaic, tree_mosaic  # Mosaic GPU (~0.5 s): Hopper only
+    from pallas_kernels import matmul_mosaic, tree_mosaic  # slow Mosaic GPU import: Hopper only
 
     if not matmul_mosaic.supports(a.shape[1], b.shape[1], dtype, tree=True):
         return None

@@ -11,8 +11,9 @@ Nothing depends on the number of rows N, so row i is bitwise the same for any N 
 reductions are not: on an H100 `sum(x*x, -1)` of row 0 changes between B=2 and B=7).
 
 Why two passes over chunks and not one program per row: a decode step has N = 1 row of 128-152k
-logits, and one program walking them took 53 µs per call on an H100 (two calls per step: the
-reported log-probs and the top-p filter); C programs per row bring it to a few µs.
+logits, and one program walking them is latency-bound (two calls per step: the reported
+log-probs and the top-p filter); C programs per row make it an order of magnitude faster
+(benchmarks/profile_step.py shows a step's kernels).
 
 On a CPU `xla_fixed` runs instead (the sum as a halving tree over V), or these kernels in
 interpret mode with JDET_PALLAS_INTERPRET=1.
@@ -32,7 +33,7 @@ from pallas_kernels import _platform, xla_fixed
 def _load(ref, mask, other):
     """Masked load where the block is ragged; a plain load (Triton rejects `other` without a
     mask) where it is not."""
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     if mask is None:
         return pltriton.load(ref)
@@ -90,7 +91,7 @@ def _lse_kernel(m_ref, s_ref, o_ref, *, c_pad: int):
 
 
 def _log_softmax_kernel(x_ref, m_ref, s_ref, o_ref, *, v: int, c_pad: int):
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     lse = _lse_from_partials(m_ref, s_ref, c_pad)
     c = pl.program_id(1)
@@ -100,7 +101,7 @@ def _log_softmax_kernel(x_ref, m_ref, s_ref, o_ref, *, v: int, c_pad: int):
 
 
 def _params(interpret: bool):
-    from jax.experimental.pallas import triton as pltriton  # ~0.15 s; unused on the CPU path
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
     return None if interpret else pltriton.CompilerParams(num_warps=8, num_stages=1)
 

@@ -3,17 +3,16 @@
 Why: `xla_fixed.tree_subtree` computes a[M, K] @ b[K, N] as one [BM, leaf_k] x [leaf_k, BN] dot per
 (leaf, n block); cutting b into those blocks in the step is a copy of every weight in every layer
 of every step. `BlockedWeight` holds them cut (jdet/plan.py `matmul_weights`, "tp" at TP 1 on a
-CPU), and three things keep the step from touching more memory than the dots need (measured on the
-2-core CPU machine, batch-1 "tp" decode of the embedded model, where the step is bound by reading
-its ~33 MB of f32 weights):
+CPU), and three things keep the step from touching more memory than the dots need (a batch-1
+decode step on a CPU is bound by reading its f32 weights; benchmarks/cpu_bench.py times it):
 - bf16 weights are held as their 16 bits (uint16, `compute="float32"`) and widened to f32 in the
   step (`widen`: the bits shifted into the high half, which is what a bf16 -> f32 convert is, so
   the dots get bitwise the f32 operands they had): half the bytes read. Held as bf16, XLA CPU
-  converted the whole stacked array to f32 around each layer slice (no bf16 dynamic-slice); held
-  as uint16 the slice and the widening are one fusion.
+  would convert the whole stacked array to f32 around each layer slice (no bf16 dynamic-slice);
+  held as uint16 the slice and the widening are one fusion.
 - the dots run in groups of n blocks of at most GROUP_BYTES of f32 weights (`blocked_products`),
   each group widened just before its dots read it, so it is read from the core's L2, not written
-  to and read back from memory (a third off the LM head's dots: BENCHMARKS.md).
+  to and read back from memory.
 - a layer of a stacked [L, ...] weight is read in place (`at_layer`): jdet/model.py keeps such
   weights out of the layer scan's xs (whose per-iteration slice XLA CPU materialises, a copy of
   every layer's weights) and each group slices its own blocks out of the stack.
@@ -37,7 +36,8 @@ import numpy as np
 from jax import lax
 
 # f32 weight bytes per group of n blocks (`blocked_products`): half the core's L2 (512 KiB) on the
-# CI machine; 128-256 KiB measured best for the LM head, 1 MiB clearly worse.
+# CI machine, so a widened group is still in L2 when its dots read it; a group the size of L2 or
+# more is read back from memory.
 GROUP_BYTES = 256 * 1024
 
 

@@ -1,7 +1,7 @@
 """The invariant kernels as plain XLA for CPU backends: fixed-shape dots and fixed-tree sums.
 
 Why: on a CPU the Pallas kernels can only run in interpret mode, which executes every grid point
-one after another (the embedded 7.7M-parameter model took ~17-50 s for 24 tokens). These are
+one after another (far too slow to serve even the embedded 7.7M-parameter model). These are
 ordinary jnp/lax programs that XLA compiles, with every reduction order fixed by model shapes.
 Backend "xla" of `matmul`, `tree_matmul(_partial)`, `rms_norm`, `log_softmax`, `logsumexp` (and
 `paged_attention`: xla_attention.py); the default on CPU (`_platform.xla_fixed_default`;

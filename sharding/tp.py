@@ -129,8 +129,8 @@ def init_tp_kv_cache(
     shape = (cfg.num_layers, k, num_pages, page_size, cfg.head_dim)
     dt = storage_dtype(dtype)
     if cpu_devices(mesh.devices.flat):
-        # Zeros made by numpy and placed: the jitted maker below compiles a program (~0.1 s CPU
-        # of a cold `jdet generate`); the same zeros, the same placement.
+        # Zeros made by numpy and placed: the jitted maker below compiles a program (a cost in
+        # every cold `jdet generate`); the same zeros, the same placement.
         return {n: jax.device_put(np.zeros(shape, dt), sharding) for n in ("k", "v")}
     make = jax.jit(
         functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, num_kv_heads=k),

@@ -3,10 +3,8 @@
 Why llguidance: it installs as one dependency-free wheel (CPU CI included), computes a mask over
 the whole vocabulary in tens of microseconds for JSON schemas, regexes, choices and Lark grammars,
 and writes exactly the [ceil(V / 32)] int32 bitmask layout the step applies (`sampling.apply_mask`).
-(xgrammar, the alternative, requires torch and triton at install time.) Measured on this project's
-shared CPU, embedded model (V = 8192), median per-token mask over a 48-token walk of three JSON
-schemas: llguidance 37 / 21 / 9 us, xgrammar 0.2.8 10 / 15 / 11 us (its bitmask copied out of a
-torch tensor): both far below a step's milliseconds; installability decided.
+(xgrammar, the alternative, requires torch and triton at install time.) Both compute a token's
+mask far faster than a step runs (benchmarks/mask_bench.py); installability decided.
 
 How it keeps the contract: the mask of a row depends only on the request's constraint and the
 tokens that sequence generated so far, both part of the request; the device applies it row-locally
@@ -33,7 +31,7 @@ from serving.sampling_options import InvalidRequest
 
 
 def _lg() -> Any:
-    try:  # on the first structured request: llguidance.hf imports transformers (~1 s)
+    try:  # on the first structured request: llguidance.hf imports transformers (slow)
         import llguidance
         import llguidance.hf  # noqa: F401
     except ImportError as e:  # a dependency in pyproject.toml; named if someone removed it

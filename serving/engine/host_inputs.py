@@ -2,12 +2,12 @@
 
 Why: a decode step's layout (positions, slots, query starts, context lengths, page table, logits
 rows) and its sampling rows (temperature, top-k, top-p, seed, position) are 11 small numpy arrays,
-and jit copies each numpy argument to the device by itself. On the H100 machine each such copy
-costs ~50 us of host time: a trivial jitted function of one step's batch and sampling arguments
-took 602 us with them as numpy arrays and 75 us with the same arrays already on the device
-(benchmarks/dispatch_probe.py), which bounds a small model's engine step (the
-host must dispatch step n+1 while the device runs step n). Here their 4-byte words are written into
-one uint32 array on the host (~25 us on a CPU: `pack`), passed as one argument, and cut back
+and jit copies each numpy argument to the device by itself. Each such copy costs host time: a
+trivial jitted function of one step's batch and sampling arguments takes several times longer
+with them as numpy arrays than with the same arrays already on the device
+(benchmarks/dispatch_probe.py), which bounds a small model's engine step (the host must dispatch
+step n+1 while the device runs step n). Here their 4-byte words are written into one uint32
+array on the host (`pack`, benchmarks/host_bench.py), passed as one argument, and cut back
 into the arrays by slices and bit casts *inside* the step's own executable: one copy, no second
 executable, no value change.
 
@@ -98,8 +98,8 @@ def pack(batch: Any, sampling: Any) -> tuple[Any, Any, np.ndarray, Layout]:
 
     A packed field that is a device array (no step builds one today) is brought to the host:
     correct, only slower; the layout never depends on where an array came from. Written for the
-    host's decode path (~20 us on a CPU): no dataclasses.replace, one concatenate, one Layout per
-    set of shapes."""
+    host's decode path (benchmarks/host_bench.py): no dataclasses.replace, one concatenate, one
+    Layout per set of shapes."""
     inputs = _inputs(sampling)
     arrays = [np.asarray(getattr(batch, name)) for name in PACKED_BATCH]
     if inputs is not None:
@@ -159,7 +159,7 @@ def packed_step_fn(step: Callable, invariance: str) -> Callable:
     """`packed(step, its own jit)`, one per (jitted step, mode): the
     steps are cached per (config, Ops) (jdet/step.py, sharding/tp.py), so every engine on a model
     shares this one function and its compiled shapes, as it shared the plain step's (a new
-    wrapper per engine re-traced every shape: ~1.3 CPU s per engine of the embedded model)."""
+    wrapper per engine would re-trace every shape)."""
     return _packed_step_fn(step, invariance)
 
 
@@ -201,18 +201,16 @@ def split_step_fn(
 
     Why: the sampler is compiled once per (rows, vocabulary, variant) instead of once per step
     shape and variant, and each forward shape is traced and compiled once for every variant.
-    On a GPU the step's trace and lowering hold the GIL (~2 s a shape on the 8B model), so
-    an 8B default engine traced 36 steps (18 shapes x 2 variants) before its first token, and 18
-    forwards and a few samplers split; the two programs cost the step nothing measurable (within
-    1.5 %, the same bits: BENCHMARKS.md). On a CPU the full sampler is about half of a step's
-    compile (the tests' tiny Qwen3,
-    N = 8, V = 320, "tp": the sampler alone compiles in ~2.1 CPU s, the whole step in ~4-5; XLA
-    CPU emits each fusion as its own LLVM module, and the Gumbel draw, top-k/top-p filter and top
-    log-probs are many), and in one step program it was compiled again for every step shape
-    (T, S, Pmax) and sampler variant. Apart, one forward serves every variant of a shape, one
-    sampler every shape of the same rows N, vocabulary and variant, and XLA's persistent cache
-    shares both between processes. Warm-up of the embedded model's 7 step shapes (jdet.LLM,
-    "tp", load ~7 on the 2-core box): 47 s as one program, 23 s split. Same bits: the logits
+    On a GPU the step's trace and lowering hold the GIL (seconds a shape on the 8B model:
+    BENCHMARKS.md, Start-up), so an 8B default engine traced 36 steps (18 shapes x 2 variants)
+    before its first token, and 18 forwards and a few samplers split; the two programs cost the
+    step nothing measurable (the same bits: BENCHMARKS.md). On a CPU the full sampler is about
+    half of a step's compile (benchmarks/sampler_compile.py; XLA CPU emits each fusion as its
+    own LLVM module, and the Gumbel draw, top-k/top-p filter and top log-probs are many), and in
+    one step program it is compiled again for every step shape (T, S, Pmax) and sampler variant.
+    Apart, one forward serves every variant of a shape, one sampler every shape of the same rows
+    N, vocabulary and variant, and XLA's persistent cache shares both between processes: warm-up
+    compiles far less. Same bits: the logits
     are the same f32 array either way (the forward ends in the lm_head matmul's f32 sums), and
     the sampler is the same function of them (`jdet.step.step_body`'s `sample`), compiled with
     the step's XLA options (tests/jdet/test_golden.py unchanged, TP 1 and 2). `mesh`: the TP

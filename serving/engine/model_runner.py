@@ -275,8 +275,8 @@ class ModelRunner:
     def place_tokens(self, batch: Any) -> Any:
         """`batch` with host token ids on the device, placed like a step's sampled tokens.
         Through a jitted identity with that output placement: the same committed array as
-        jax.device_put gives (one executable of the step serves both), in ~10-20 us of host
-        time where jax.device_put took ~120-190 us on a CPU (benchmarks/host_bench.py)."""
+        jax.device_put gives (one executable of the step serves both), in a fraction of
+        jax.device_put's host time (benchmarks/host_bench.py)."""
         if isinstance(batch.token_ids, np.ndarray):
             batch = dataclasses.replace(batch, token_ids=self._put_tokens(batch.token_ids))
         return batch
@@ -290,7 +290,7 @@ class ModelRunner:
         names = ["tokens", "logprobs"] + (["top_ids", "top_logprobs"] if want_top else [])
         arrays = [getattr(out, k) for k in names]
         # What jax.device_get does (start every copy, then wait for each), without its per-leaf
-        # tree and dtype dispatch: ~0.1 ms of the host's decode step on a CPU (host_bench).
+        # tree and dtype dispatch, a share of the host's decode step on a CPU (host_bench).
         for a in arrays:
             a.copy_to_host_async()
         return {k: np.asarray(a)[:num_rows] for k, a in zip(names, arrays, strict=True)}

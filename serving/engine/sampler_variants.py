@@ -1,7 +1,7 @@
 """Which sampler variant a step runs, and which variants warm-up compiles.
 
 `jdet.sampling.SamplingInputs` carries two static flags: `filter_topk_topp` (build the top-k/top-p
-filter: on a GPU a sort of the [S, V] logits every step, ~0.085 ms at S = 1, V = 128k) and
+filter: on a GPU a sort of the [S, V] logits every step) and
 `top_logprobs` (0 or NUM_TOP: the top-20 log-probs, a `top_k` over the vocabulary). A step may
 run any variant that *covers* its rows (filter on if some row has top_k > 0 or top_p < 1; top
 log-probs if some request asked for them), with the same bits for every row (jdet/sampling.py

@@ -2,7 +2,7 @@
 
 Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the step once per
 sampler variant (serving/engine/sampler_variants.py: two on a GPU, one on a CPU), and a compile
-costs seconds (8B model: ~3 s each) that every request in flight waits for. So an engine
+costs seconds (BENCHMARKS.md, Start-up) that every request in flight waits for. So an engine
 runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
 - T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
   last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU 1, then 8 to 512: 8 buckets,
@@ -17,14 +17,12 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
 So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
 function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
 attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
-at once: measured 0-3 % for a 512-page table against 128 at decode; 2 % on the Llama-3-8B
-shape on an H200 at T 16 and 11 % at T 64), a step's page table travels to the device, and
-"none" off a GPU gathers all Pmax pages per token.
-Padding cost, measured on an H100 with Qwen3-8B shapes (benchmarks/ready_bench.py), step time at
-the bucket / at the exact shape: decode at batch 1, 8, 64 (ctx 1024): 1.04, 1.04, 1.00; a 300-token
-prefill chunk alone: 1.32 (T 300 -> 512, S 1 -> 256); 32 decodes + a 200-token chunk: 1.35, mostly
-the 256 sampled rows of S = T. A busy server fills steps to the token budget (T exact); few-
-sequence prefill is what pays.
+at once, but a wider table still costs a little at decode, more at larger T: BENCHMARKS.md,
+Defaults and memory), a step's page table travels to the device, and "none" off a GPU gathers
+all Pmax pages per token.
+Padding cost (benchmarks/ready_bench.py `--padding`): decode steps run at about the exact shape's
+time; a prefill chunk of few sequences pays most, mostly for the sampled rows of S = T. A busy
+server fills steps to the token budget (T exact); few-sequence prefill is what pays.
 Padding never changes a real row's bits: the kernels' reduction plans do not depend on T, S or
 Pmax (README.md); padded rows write no K/V (slot -1) and their samples are dropped.
 """
@@ -136,7 +134,7 @@ CPU_MAX_PAGES = 1024  # the default pool's cap off a GPU (default_num_pages)
 def default_num_pages(page_size: int, *, max_model_len: int, max_num_seqs: int) -> int:
     """The pool off a device with a memory limit (a CPU): enough for a full batch of
     max_model_len sequences, at most CPU_MAX_PAGES (16k tokens at page 16: every engine allocates
-    and zeroes its pool, ~0.5 s for a 4096-page pool of the embedded model on the 2-core machine),
+    and zeroes its pool, a cost that grows with it),
     and at least one sequence. A GPU's pool is sized from its memory (serving/engine/memory.py)."""
     one = cdiv(max_model_len, page_size)
     return max(one, min(one * max_num_seqs, CPU_MAX_PAGES))

@@ -60,8 +60,8 @@ def warmup_batch(
 def warmup_workers() -> int:
     """Threads that compile warm-up shapes at once: on a GPU up to 8 (a shape's compile is
     mostly XLA's, which releases the GIL; its tracing and lowering do not, so more threads than
-    that gain nothing: an 8B step traces in ~2 s and compiles in ~3-5 s, and 4 shapes took 15 s
-    in 4 threads against 25 s one after another on an H200 host); on a CPU one, since the
+    that gain nothing; BENCHMARKS.md, Defaults and memory, times threaded against serial
+    warm-up); on a CPU one, since the
     compiles would take the cores the tests and the host's own work need."""
     if backend().cpu:
         return 1

@@ -2,8 +2,8 @@
 (K = 0) and decodes as a plain request, so the engine can dispatch ahead again (async scheduling).
 
 Why. A speculative step must reach the host before the next one is built (the next input tokens
-depend on how many drafts were accepted), so speculation costs the engine its async dispatch; on
-an H100 that costs 16 % of an 8B decode step and a third of the embedded model's. A request whose
+depend on how many drafts were accepted), so speculation costs the engine its async dispatch:
+the host's work for a step no longer hides behind the device's. A request whose
 drafts are mostly rejected pays that and gets ~1 token per step back: it decodes faster without
 drafts. When every running sequence has stopped drafting, the steps are plain decode steps and the
 engine dispatches each before the previous one's tokens reach the host (`Engine._dispatch_ahead`).
