@@ -85,8 +85,8 @@ def _generate(a: argparse.Namespace, engine: EngineConfig, spec: object = None) 
     # gave other log-probs (jdet/step.py, above `_parse_options`).
     # On a CPU a prompt is prefilled in chunks of the smallest token bucket (the decode step's
     # shape) unless --max-num-batched-tokens is given: one compiled step shape for the whole run
-    # instead of one more per prompt-length bucket (a second compile, longer than the rest of a
-    # warm run: BENCHMARKS.md, CPU). Chunked prefill gives the same bits.
+    # instead of one more per prompt-length bucket (a second compile in a run that is mostly
+    # compiling: benchmarks/cpu_bench.py times its phases). Chunked prefill gives the same bits.
     engine = _generate_config(engine, spec)
     gc_was_on = gc.isenabled()
     gc.disable()

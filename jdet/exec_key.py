@@ -218,7 +218,7 @@ _held: list[dict | None] = []  # `held_environment`'s value while one is open
 @contextlib.contextmanager
 def held_environment() -> Any:
     """Inside it, `environment()` is computed once and then reused. Why: it digests the code of
-    every traced module (~40 ms of CPU, holding the GIL), and a warm-up keys one entry per step
+    every traced module (CPU time, holding the GIL), and a warm-up keys one entry per step
     shape and sampler in threads: a few seconds of a restart spent recomputing a value nothing
     can change while the warm-up runs (it monkeypatches nothing)."""
     _held.append(None)

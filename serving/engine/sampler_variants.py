@@ -91,8 +91,8 @@ def engine_variants(choice: str = "auto") -> tuple[Variant, ...]:
     sampler's compile per row bucket, not a step per shape. GREEDY's is a small fraction of
     FULL's and LEAN's (benchmarks/sampler_compile.py) and it runs every step whose rows are all
     greedy without transforms, the common case, at a third of FULL's time; LEAN would add its
-    compile for little a step. On a GPU LEAN saves the filter's sort every step (~0.085 ms at
-    S = 1, V = 128k), for one sampler compile per row bucket."""
+    compile for little a step. On a GPU LEAN saves the filter's sort every step (the FULL
+    sampler's cost: BENCHMARKS.md, Defaults and memory), for one sampler compile per row bucket."""
     if choice != "auto":
         if choice not in SETS:
             raise ValueError(f"sampler_variants={choice!r}: use 'auto' or one of {list(SETS)}")
