@@ -210,11 +210,14 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
     smaller holes by what was placed and freed before (the weights' preparation), and a failed
     allocation is reported only when the step first reads the array. So each try is waited for,
     and a pool that does not fit, or leaves no block for the step, is freed and tried 10 %
-    smaller. A failed try's arrays are deleted at once: the error's traceback holds them in a
-    reference cycle, which only the cyclic collector would free, so without the delete each try
-    kept its pool and the next, smaller one failed too until nothing fitted."""
+    smaller. A failed try's arrays are deleted at once, the runner's and any other pool-shaped
+    array the try left alive (`_strays`: one half of a pool whose other half failed is held by
+    whatever references it, the error's traceback for one): a try that keeps its memory makes
+    the next, smaller one fail too, down to nothing (on an H200 every try failed down to a
+    549 MiB pool, as if each had kept its memory)."""
     tries: list[str] = []  # what each try met: the error names them all
     for _ in range(40):
+        before = {id(a) for a in jax.live_arrays()}
         try:
             runner.allocate_kv(num_pages)
             jax.block_until_ready(runner.kv)
@@ -228,7 +231,7 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
                 raise
             tries.append(f"{num_pages} pages: {str(e).strip().splitlines()[0][:200]}")
         _log.warning("KV pool try %d: %s; freed, trying 10 %% smaller", len(tries), tries[-1])
-        free_pool(runner)
+        free_pool(runner, _strays(runner, num_pages, before))
         num_pages = int(num_pages * 0.9)
         if num_pages < 1:
             break
@@ -243,13 +246,25 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
     )
 
 
-def free_pool(runner: Any) -> None:
-    """Drop the runner's pool and free its device memory now, whoever else still refers to it."""
+def free_pool(runner: Any, strays: list | None = None) -> None:
+    """Drop the runner's pool and free its device memory now, whoever else still refers to it;
+    `strays`, other arrays of a failed try, too."""
     kv, runner.kv = runner.kv, None
-    for a in jax.tree_util.tree_leaves(kv or {}):
+    for a in [*jax.tree_util.tree_leaves(kv or {}), *(strays or [])]:
         with contextlib.suppress(Exception):  # an array whose allocation failed has no buffer
             a.delete()
     gc.collect()
+
+
+def _strays(runner: Any, num_pages: int, before: set[int]) -> list:
+    """Live arrays made since `before` (ids of the live arrays then) that have a pool array's
+    shape and dtype: what a failed try allocated, wherever it is still referenced."""
+    abstract = getattr(runner, "abstract_kv", None)
+    if abstract is None:
+        return []
+    kinds = {(tuple(a.shape), jnp.dtype(a.dtype)) for a in abstract(num_pages).values()}
+    return [a for a in jax.live_arrays()
+            if id(a) not in before and (tuple(a.shape), jnp.dtype(a.dtype)) in kinds]  # fmt: skip
 
 
 def largest_free_block() -> int | None:

@@ -177,3 +177,33 @@ def test_a_deleted_llm_leaves_none_of_its_device_arrays(serving_model):
     gc.collect()
     left = new_arrays()
     assert not left, [(a.shape, a.dtype) for a in left]
+
+
+def test_a_failed_try_frees_a_half_pool_held_elsewhere(monkeypatch):
+    """A try whose K half was made and whose V half failed leaves K referenced from outside the
+    runner (here a list, on a GPU the error's traceback): it is deleted before the next try, and
+    arrays of other shapes made meanwhile are left alone."""
+    import jax
+    import jax.numpy as jnp
+
+    held, other = [], []
+
+    class Runner:
+        kv = None
+
+        def abstract_kv(self, num_pages):
+            return {n: jax.ShapeDtypeStruct((2, num_pages, 4), jnp.float32) for n in "kv"}
+
+        def allocate_kv(self, num_pages):
+            other.append(jnp.ones(3))  # not pool-shaped: never a stray
+            held.append(jnp.zeros((2, num_pages, 4)))  # K, held outside the runner
+            if num_pages > 50:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (V)")
+            self.kv = {"k": held[-1], "v": jnp.zeros((2, num_pages, 4))}
+
+    monkeypatch.setattr(memory, "largest_free_block", lambda: None)
+    runner = Runner()
+    assert memory.allocate_to_fit(runner, 100, keep_free=0) == 45
+    assert all(a.is_deleted() for a in held[:-1])  # every failed try's K
+    assert not held[-1].is_deleted() and held[-1] is runner.kv["k"]
+    assert not any(a.is_deleted() for a in other)
