@@ -200,22 +200,23 @@ def split_step_fn(
     the forward it is the engine's score function on a CPU (`SplitScore`).
 
     Why: the sampler is compiled once per (rows, vocabulary, variant) instead of once per step
-    shape and variant, and each forward shape is traced and compiled once for every variant.
-    On a GPU the step's trace and lowering hold the GIL (seconds a shape on the 8B model:
-    BENCHMARKS.md, Start-up), so an 8B default engine traced 36 steps (18 shapes x 2 variants)
-    before its first token, and 18 forwards and a few samplers split; the two programs cost the
-    step nothing measurable (the same bits: BENCHMARKS.md). On a CPU the full sampler is about
-    half of a step's compile (benchmarks/sampler_compile.py; XLA CPU emits each fusion as its
+    shape and variant, and each forward shape is traced and compiled once for every variant. On a
+    GPU the step's trace and lowering hold the GIL (seconds a shape on the 8B model: BENCHMARKS.md,
+    Start-up), so an 8B default engine traced 36 steps (18 shapes x 2 variants) before its first
+    token, and 18 forwards and a few samplers split; on an earlier tree the two programs gave the
+    same bits, their step time within run-to-run noise of one program's (BENCHMARKS.md, "Defaults
+    and memory"; `split_step_here` says why a GPU still runs one). On a CPU the full sampler is
+    about half of a step's compile (benchmarks/sampler_compile.py; XLA CPU emits each fusion as its
     own LLVM module, and the Gumbel draw, top-k/top-p filter and top log-probs are many), and in
     one step program it is compiled again for every step shape (T, S, Pmax) and sampler variant.
-    Apart, one forward serves every variant of a shape, one sampler every shape of the same rows
-    N, vocabulary and variant, and XLA's persistent cache shares both between processes: warm-up
-    compiles far less. Same bits: the logits
-    are the same f32 array either way (the forward ends in the lm_head matmul's f32 sums), and
-    the sampler is the same function of them (`jdet.step.step_body`'s `sample`), compiled with
-    the step's XLA options (tests/jdet/test_golden.py unchanged, TP 1 and 2). `mesh`: the TP
-    runtime's (sharding/tp.py): the forward runs under shard_map and returns the gathered logits
-    replicated; the sampler runs on them as it ran per device inside the shard_map."""
+    Apart, one forward serves every variant of a shape, one sampler every shape of the same rows N,
+    vocabulary and variant, and XLA's persistent cache shares both between processes: warm-up
+    compiles far less. Same bits: the logits are the same f32 array either way (the forward ends in
+    the lm_head matmul's f32 sums), and the sampler is the same function of them
+    (`jdet.step.step_body`'s `sample`), compiled with the step's XLA options
+    (tests/jdet/test_golden.py unchanged, TP 1 and 2). `mesh`: the TP runtime's (sharding/tp.py):
+    the forward runs under shard_map and returns the gathered logits replicated; the sampler runs
+    on them as it ran per device inside the shard_map."""
     return _split_step_fn(cfg, invariance, mesh)
 
 
