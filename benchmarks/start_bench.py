@@ -8,10 +8,10 @@ Rows (start_bench.json; random bf16 weights of the named shape, `jdet.LLM(model)
   (jdet's executable cache); seconds to the engine and to the token, executables made, the
   cache's loads and writes;
 - step, split and fused: in one more process on the warm cache, batch-1 greedy decode ms/token
-  through `LLM.generate` (ctx 1024) with the step as two programs (`$JDET_STEP=split`, which
-  the starts run too) and as one (`$JDET_STEP=fused`, a GPU's default; shapes compiled as
-  met), the two engines one after the other; the first engine's build (a restart's, on the
-  warm cache) under cProfile: its costliest calls;
+  through `LLM.generate` (ctx 1024) with the step as two programs (`step_programs="split"`, as
+  the starts run it unless `--step-programs` says otherwise) and as one (`"fused"`, a GPU's
+  default; shapes compiled as met), the two engines one after the other; the first engine's
+  build (a restart's, on the warm cache) under cProfile: its costliest calls;
 - second engine: between them, the device arrays and bytes the deleted first engine left, and
   the second engine's pool against the first's (a holder of the first's memory shrinks it). On
   a CPU a bf16 model's weights keep a copy of each matmul weight that the engine's host-side
@@ -57,7 +57,7 @@ def _top_calls(prof: cProfile.Profile, n: int = 30) -> list[str]:
     return [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][-n:]
 
 
-def _start_child(shape: str, max_len: int) -> None:
+def _start_child(shape: str, max_len: int, step_programs: str = "auto") -> None:
     """One start, in this (fresh) process: prints its JSON row."""
     t0 = time.perf_counter()
     import jax
@@ -68,7 +68,7 @@ def _start_child(shape: str, max_len: int) -> None:
     model = _model(shape, max_len)
     jax.block_until_ready(model.params)
     t1 = time.perf_counter()
-    llm = jdet.LLM(model)
+    llm = jdet.LLM(model, step_programs=step_programs)
     t2 = time.perf_counter()
     llm.generate([[1, 2, 3, 4]], jdet.SamplingParams(max_tokens=1, temperature=0.0))
     t3 = time.perf_counter()
@@ -108,7 +108,7 @@ def _step_child(shape: str, max_len: int, smoke: bool) -> None:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    llm = jdet.LLM(model)
+    llm = jdet.LLM(model, step_programs="split")
     prof.disable()
     engine_s = time.perf_counter() - t0
     ms, _ = _decode_ms(llm, ctx, np.random.default_rng(0), steps=steps)
@@ -119,9 +119,9 @@ def _step_child(shape: str, max_len: int, smoke: bool) -> None:
     del llm
     gc.collect()
     after = _device_state()
-    os.environ["JDET_STEP"] = "fused"
     t0 = time.perf_counter()
-    llm = jdet.LLM(model, warmup=False)  # the fused step's shapes compile as they are met
+    # the fused step's shapes compile as they are met
+    llm = jdet.LLM(model, warmup=False, step_programs="fused")
     second = {"engine_s": time.perf_counter() - t0}
     ms, _ = _decode_ms(llm, ctx, np.random.default_rng(0), steps=steps)
     print(json.dumps(_engine_row(llm, part="step", step="fused", ctx=ctx, decode_ms=ms,
@@ -146,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--max-len", type=int, default=8192, help="the model's max positions")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on a CPU: checks the script")
+    ap.add_argument("--step-programs", default="split", choices=("auto", "split", "fused"),
+                    help="the step the starts run (EngineConfig.step_programs; 'auto' is a "
+                         "user's default)")  # fmt: skip
     ap.add_argument("--child", choices=("start", "step"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     shape = "tiny" if a.smoke else a.shape
     if a.child == "start":
-        _start_child(shape, a.max_len)
+        _start_child(shape, a.max_len, a.step_programs)
         return 0
     if a.child == "step":
         _step_child(shape, a.max_len, a.smoke)
@@ -159,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"shape": shape, "env": environment(), "rows": []}
     me = [sys.executable, "-m", "benchmarks.start_bench", "--shape", shape,
-          "--max-len", str(a.max_len)] + (["--smoke"] if a.smoke else [])  # fmt: skip
+          "--max-len", str(a.max_len), "--step-programs", a.step_programs,
+          ] + (["--smoke"] if a.smoke else [])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="jdet-start-bench-") as cache:
         env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
-        env["JDET_STEP"] = "split"  # the step the starts measure
         runs = [("start", "cold"), ("start", "warm"), ("step", "warm")]
         for child, which in runs:
             for row in _child_rows([*me, "--child", child], child, env):

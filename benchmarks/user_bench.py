@@ -157,7 +157,7 @@ def start(shape: str) -> list[dict]:
         env = {**os.environ, "JDET_CACHE_DIR": cache, "JDET_WARMUP": "1"}
         for which in ("cold", "warm"):
             cmd = [sys.executable, "-m", "benchmarks.start_bench", "--child", "start",
-                   "--shape", shape, "--max-len", "8192"]  # its start row (start_bench.py)
+                   "--shape", shape, "--max-len", "8192", "--step-programs", "auto"]  # fmt: skip
             rows.append({**_child_rows(cmd, {}, env)[-1], "cache": which})
             print(json.dumps(rows[-1]), flush=True)
     return rows

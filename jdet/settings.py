@@ -86,6 +86,12 @@ class EngineConfig:
         "'lean-full', 'greedy-full' or 'full'",
         choices=("auto", "on-demand", "lean-full", "greedy-full", "full"),
     )  # fmt: skip
+    step_programs: str = _opt(
+        "auto", "the step as 'split' (the forward, then the sampler: each forward shape traced "
+        "once for every sampler variant, so warm-up compiles less) or 'fused' (one program per "
+        "shape and variant), the same bits either way; 'auto': split on a CPU, fused on a GPU",
+        choices=("auto", "split", "fused"),
+    )  # fmt: skip
     async_scheduling: bool | str = _opt(
         "auto", "dispatch each steady decode step before the previous one's tokens reach the host "
         "(same bits): 'auto' (on a GPU or CPU), 'on' or 'off'", choices=("auto", "on", "off"),

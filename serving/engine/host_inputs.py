@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -251,19 +250,18 @@ def _split_step_fn(cfg: Any, invariance: str, mesh: Any) -> tuple[Callable, Call
     return step, sampler, logprobs
 
 
-STEP_ENV = "JDET_STEP"  # "split" or "fused": which step engines run (`split_step_here`)
+STEP_PROGRAMS = ("auto", "split", "fused")
 
 
-def split_step_here() -> bool:
+def split_step_here(step_programs: str = "auto") -> bool:
     """Whether an engine's own step runs as `SplitStep` (`split_step_fn` says why) or as one
-    program per shape and variant (`packed`): `$JDET_STEP` ("split" or "fused") where set, else
-    split on a CPU and fused on a GPU. Why fused stays a GPU's default: the split step's cold
-    start and step time on a GPU are measured by benchmarks/start_bench.py, and a default
-    changes only with that measure in hand."""
-    choice = os.environ.get(STEP_ENV, "")
-    if choice not in ("", "split", "fused"):
-        raise ValueError(f"${STEP_ENV}={choice!r}: choose 'split' or 'fused' (or leave it unset)")
-    return choice == "split" if choice else backend().cpu
+    program per shape and variant (`packed`): EngineConfig.step_programs, where "auto" is split
+    on a CPU and fused on a GPU. Why fused stays a GPU's default: the split step's cold start and
+    step time on a GPU are measured by benchmarks/start_bench.py, and a default changes only with
+    that measure in hand."""
+    if step_programs not in STEP_PROGRAMS:
+        raise ValueError(f"step_programs={step_programs!r}: choose one of {STEP_PROGRAMS}")
+    return backend().cpu if step_programs == "auto" else step_programs == "split"
 
 
 @functools.cache

@@ -130,9 +130,10 @@ class ModelRunner:
         # compiles exactly these
         self.variants = sampler_variants.engine_variants(config.sampler_variants)
         self.tp = tp
+        split = hi.split_step_here(config.step_programs)  # checked even where step_fn is given
         if step_fn is None:  # jdet's own step: warm-up may load it from the executable cache
             # its small host arrays travel in one copy (serving/engine/host_inputs.py says why)
-            if hi.split_step_here():  # the forward, then the sampler (host_inputs.py says why)
+            if split:  # the forward, then the sampler (host_inputs.py says why)
                 forward, sampler, logprobs = hi.split_step_fn(self.cfg, invariance, self._mesh)
                 self.step_fn = hi.SplitStep(
                     self._exec_cached(forward, "forward"),

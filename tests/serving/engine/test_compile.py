@@ -329,15 +329,38 @@ def test_after_warmup_every_sampler_call_runs_its_warmed_executable(serving_mode
         assert np.array_equal(w.outputs[0].logprobs, g.outputs[0].logprobs)
 
 
-def test_jdet_step_chooses_the_step_programs_and_refuses_other_values(monkeypatch):
-    """`$JDET_STEP` picks split or fused; unset, a CPU runs split (this machine); anything else
-    is refused by name rather than read as either."""
-    monkeypatch.delenv("JDET_STEP", raising=False)
-    assert split_step_here()  # a CPU's default
-    monkeypatch.setenv("JDET_STEP", "fused")
-    assert not split_step_here()
-    monkeypatch.setenv("JDET_STEP", "split")
-    assert split_step_here()
-    monkeypatch.setenv("JDET_STEP", "1")
-    with pytest.raises(ValueError, match="JDET_STEP"):
-        split_step_here()
+def test_step_programs_chooses_split_or_fused_and_refuses_other_values():
+    """EngineConfig.step_programs picks the step's programs; "auto" on a CPU (this machine) is
+    split; anything else is refused by name rather than read as either."""
+    assert split_step_here("auto") and split_step_here()  # a CPU's default
+    assert split_step_here("split")
+    assert not split_step_here("fused")
+    with pytest.raises(ValueError, match="step_programs='1'"):
+        split_step_here("1")
+
+
+def test_the_fused_step_gives_the_split_steps_bits(serving_model):
+    """A GPU's default step (one program per shape and variant) and a CPU's (the forward, then
+    the sampler) on one model: equal tokens, log-probs and top log-probs, greedy and sampled,
+    and equal score(). Control: the comparison sees a changed seed."""
+    import dataclasses
+
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    greedy = jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampled = jdet.SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, logprobs=3,
+                                  ignore_eos=True)  # fmt: skip
+
+    def run(step_programs: str, seed: int = 3) -> tuple:
+        llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=False,
+                       step_programs=step_programs)  # fmt: skip
+        got = llm.generate(prompts, [greedy, dataclasses.replace(sampled, seed=seed)])
+        outs = [(o.token_ids, np.asarray(o.outputs[0].logprobs), o.outputs[0].top_logprobs)
+                for o in got]  # fmt: skip
+        return outs, [np.asarray(x) for x in llm.score([p + [3, 4] for p in prompts])]
+
+    split, fused = run("split"), run("fused")
+    for (ta, la, pa), (tb, lb, pb) in zip(split[0], fused[0], strict=True):
+        assert ta == tb and np.array_equal(la, lb) and pa == pb
+    assert all(np.array_equal(a, b) for a, b in zip(split[1], fused[1], strict=True))
+    other = run("fused", seed=4)[0][1]
+    assert (other[0], other[1].tobytes()) != (fused[0][1][0], fused[0][1][1].tobytes())
