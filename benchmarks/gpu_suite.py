@@ -1,6 +1,10 @@
 """One entry point for the GPU machine: the `-m gpu` tests, then the benchmarks, JSON to $OUT.
 
-    PYTHONPATH=. python -m benchmarks.gpu_suite [--only tests,matmul,serve,tp,tiles,decode,...]
+    PYTHONPATH=. python -m benchmarks.gpu_suite [--only tests,matmul,serve,tp,...] [--tar]
+
+`--tar`: every file is written to a scratch folder and $OUT holds one gzipped tarball of it,
+rewritten after each part (the device machine sends back at most 8 files, and a call cut short
+keeps what its finished parts wrote).
 
 Each benchmark module exposes `run(out_dir) -> dict` and measures its XLA baseline and the
 hardware ceilings in the same run, so every figure is a ratio taken on one machine at one time.
@@ -14,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -78,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         default="--shape 0.6b --parts offline,decode --n-requests 1000",
         help="arguments for benchmarks.serve_bench (the full default run exceeds 10 minutes)",
     )
+    ap.add_argument("--tar", action="store_true",
+                    help="$OUT gets one tarball, gpu_suite.tgz, rewritten after each part")
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    dest = Path(a.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="gpu-suite-")) if a.tar else dest
     results: dict = {"env": environment()}
     print(json.dumps(results["env"]), flush=True)
     for part in a.only.split(","):
@@ -100,7 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {part} ({results[part + '_seconds']} s)", flush=True)
         print(json.dumps(results[part], default=str)[:4000], flush=True)
         (out / "gpu_suite.json").write_text(json.dumps(results, indent=1, default=str))
+        if a.tar:
+            _pack(out, dest / "gpu_suite.tgz")
     return 0
+
+
+def _pack(folder: Path, tarball: Path) -> None:
+    """`folder`'s files as one gzipped tarball, written whole or not at all."""
+    tmp = tarball.with_suffix(".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(folder, arcname="gpu_suite")
+    os.replace(tmp, tarball)
 
 
 if __name__ == "__main__":
