@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.user_bench import ratios
+from benchmarks.user_bench import joined
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,17 +158,12 @@ MARKER = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", r
 
 
 def load(results: Path, bench: str) -> dict | None:
-    """The merged record of `bench` (module docstring), or None when none is committed."""
-    merged: dict = {}
-    for path in sorted(results.glob(f"{bench}*.json")):
-        rec = json.loads(path.read_text())
-        if merged and rec.get("shape") != merged.get("shape"):
-            raise ValueError(f"{path} measured the {rec.get('shape')} shape, not "
-                             f"{merged.get('shape')}: keep one shape per benchmark")  # fmt: skip
-        merged = {**merged, **rec, "env": merged.get("env") or rec.get("env", {})}
-    if merged and bench == "user_bench":
-        ratios(merged)  # across the merged parts
-    return merged or None
+    """The joined record of `bench` (user_bench.py `joined`: each part's rows from every file, in
+    name order), or None when none is committed."""
+    paths = sorted(results.glob(f"{bench}*.json"))
+    if not paths:
+        return None
+    return joined([json.loads(p.read_text()) for p in paths], [str(p) for p in paths])
 
 
 def render(text: str, results: Path) -> str:

@@ -273,17 +273,28 @@ def run(
     return result
 
 
-def merge(paths: list[str], out_dir: str) -> dict:
-    """One user_bench.json from several runs' (e.g. the sweep's shards on several GPUs of one
-    machine): each part's rows joined in the order given, the first run's env and shape kept,
-    the ratios taken again across them."""
-    runs = [json.loads(Path(p).read_text()) for p in paths]
-    result: dict = {"shape": runs[0]["shape"], "env": runs[0]["env"]}
-    for name in PARTS:
-        rows = [r for run_ in runs for r in run_.get(name, [])]
+def joined(records: list[dict], names: list[str] | None = None) -> dict:
+    """One record from several runs' (`--parts` halves, the sweep's `--shard` runs on several
+    GPUs of one machine): each part's rows joined in the order given, the first run's shape and
+    env kept, the ratios taken again across them. `names` (paths) name a record of another
+    shape in the error."""
+    names = names or [f"record {i}" for i in range(len(records))]
+    result: dict = {"shape": records[0].get("shape"), "env": records[0].get("env", {})}
+    for rec, name in zip(records, names, strict=True):
+        if rec.get("shape") != result["shape"]:
+            raise ValueError(f"{name} measured the {rec.get('shape')} shape, {names[0]} the "
+                             f"{result['shape']} shape: join runs of one shape")  # fmt: skip
+    for part in PARTS:
+        rows = [r for rec in records for r in rec.get(part, [])]
         if rows:
-            result[name] = rows
+            result[part] = rows
     ratios(result)
+    return result
+
+
+def merge(paths: list[str], out_dir: str) -> dict:
+    """`joined` of these runs' user_bench.json, written to out_dir/user_bench.json."""
+    result = joined([json.loads(Path(p).read_text()) for p in paths], paths)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "user_bench.json").write_text(json.dumps(result, indent=1, default=str))

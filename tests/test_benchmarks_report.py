@@ -59,3 +59,29 @@ def test_benchmarks_md_is_at_most_400_lines():
     """The current state fits on one page; the log of how it got there is git's."""
     n = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
     assert n <= 400, f"BENCHMARKS.md has {n} lines: drop what a rendered table now says"
+
+
+def test_records_of_one_run_in_several_files_join_their_rows(tmp_path):
+    """The sweep's shards (user_bench --shard I/N, one file each) add up: every file's decode rows
+    are rendered, none replaces another's. Control: one file alone renders only its own."""
+    rec = json.loads(SMOKE.read_text())
+    decode = [r for r in rec["decode"] if "error" not in r]
+    assert len(decode) >= 2
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "user_bench-1.json").write_text(json.dumps({**rec, "decode": decode[:1]}))
+    (results / "user_bench-2.json").write_text(json.dumps(
+        {"shape": rec["shape"], "env": rec["env"], "decode": decode[1:]}))  # fmt: skip
+    md = tmp_path / "BENCHMARKS.md"
+
+    def sweep() -> str:
+        md.write_text((ROOT / "BENCHMARKS.md").read_text())
+        p = _report("--results", results, "--file", md)
+        assert p.returncode == 0, p.stderr
+        return md.read_text().split("<!-- report:user-sweep -->")[1].split("<!-- /report")[0]
+
+    both = sweep()
+    assert all(f"{r['decode_ms']:.2f}" in both for r in decode)
+    (results / "user_bench-2.json").unlink()
+    alone = sweep()
+    assert not all(f"{r['decode_ms']:.2f}" in alone for r in decode)
