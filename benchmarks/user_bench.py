@@ -97,6 +97,20 @@ def _child_rows(cmd: list[str], fallback: dict, env: dict | None = None) -> list
     return rows or [{**fallback, "error": p.stderr[-2000:]}]
 
 
+def _fresh_engines(part: str, shape: str, children: list[tuple[dict, dict]]) -> list[dict]:
+    """`part`'s child (`--{part}-child`) once per (settings, payload), each a fresh process: its
+    JSON rows, each printed whole as it comes (a run killed at its time limit still leaves every
+    finished row, errors included, in its log)."""
+    rows = []
+    for kw, payload in children:
+        cmd = [sys.executable, "-m", "benchmarks.user_bench", f"--{part}-child",
+               json.dumps(payload), "--shape", shape]  # fmt: skip
+        for r in _child_rows(cmd, {"part": part, "settings": kw}):
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
 def decode(shape: str, smoke: bool, shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """Each setting in a fresh process, as a user starts an engine: one engine's pool and
     compiles never weigh on the next. `shard` (i, n): only every n-th setting from the i-th, so
@@ -106,16 +120,11 @@ def decode(shape: str, smoke: bool, shard: tuple[int, int] = (0, 1)) -> list[dic
     # the sized pool across max_num_seqs first: a run cut short keeps the cliff check
     settings += [{"max_num_seqs": s, "num_pages": p} for p in pools for s in seqs
                  if (s, p) != (256, None)]  # fmt: skip
-    rows = []
-    for kw in settings[shard[0]::shard[1]]:
-        ctxs = (64,) if smoke else (1024,) + ((8192,) if not kw else ())
-        cmd = [sys.executable, "-m", "benchmarks.user_bench", "--decode-child", json.dumps(
-            {"kw": {k: v for k, v in kw.items() if v is not None}, "ctxs": ctxs, "smoke": smoke}),
-            "--shape", shape]  # fmt: skip
-        for r in _child_rows(cmd, {"part": "decode", "settings": kw}):
-            rows.append(r)
-            print(json.dumps(rows[-1])[:600], flush=True)
-    return rows
+    return _fresh_engines("decode", shape, [
+        (kw, {"kw": {k: v for k, v in kw.items() if v is not None}, "smoke": smoke,
+              "ctxs": (64,) if smoke else (1024,) + ((8192,) if not kw else ())})
+        for kw in settings[shard[0]::shard[1]]
+    ])  # fmt: skip
 
 
 def _ttft_child(shape: str, kw: dict, smoke: bool) -> None:
@@ -141,14 +150,8 @@ def _ttft_child(shape: str, kw: dict, smoke: bool) -> None:
 
 def ttft(shape: str, smoke: bool) -> list[dict]:
     """At the default token budget and at 8192, each engine in a fresh process (as `decode`)."""
-    rows = []
-    for kw in [{}] if smoke else [{}, {"max_num_batched_tokens": 8192}]:
-        cmd = [sys.executable, "-m", "benchmarks.user_bench", "--ttft-child",
-               json.dumps({"kw": kw, "smoke": smoke}), "--shape", shape]  # fmt: skip
-        for r in _child_rows(cmd, {"part": "ttft", "settings": kw}):
-            rows.append(r)
-            print(json.dumps(r)[:600], flush=True)
-    return rows
+    budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 8192}]
+    return _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in budgets])
 
 
 def start(shape: str) -> list[dict]:
