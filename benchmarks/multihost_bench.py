@@ -84,14 +84,18 @@ def _env(platform: str, devices: list[int], job_devices: int, multi: bool) -> di
     the job's GPUs (NCCL's peer-to-peer paths need that) and JAX takes its own one
     (JAX_LOCAL_DEVICE_IDS, read by jax.distributed.initialize)."""
     env = dict(os.environ)
+    # Indices count within the GPUs this process was given (CUDA_VISIBLE_DEVICES), so the
+    # benchmark can run beside other jobs on a many-GPU host.
+    given = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    phys = (lambda i: given[i]) if given else str
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(devices)}"
     elif multi:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(job_devices)))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(phys(i) for i in range(job_devices))
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(map(str, devices))
     else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(phys(i) for i in devices)
     return env
 
 
