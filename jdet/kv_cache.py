@@ -12,6 +12,8 @@ are ever bitcast. Readers take the float type from the query (`kv_compute_dtype`
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,10 +32,37 @@ def init_kv_cache(
     num_kv_heads: int | None = None,
 ) -> dict[str, jax.Array]:
     """Zero-filled k and v [L, K, P, B, E] of `dtype`, held as `storage_dtype(dtype)`."""
-    K = num_kv_heads or cfg.num_kv_heads
-    shape = (cfg.num_layers, K, num_pages, page_size, cfg.head_dim)
+    shape = kv_shape(cfg, num_pages, page_size, num_kv_heads)
     dtype = storage_dtype(dtype)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def kv_shape(
+    cfg: ModelConfig, num_pages: int, page_size: int, num_kv_heads: int | None = None
+) -> tuple[int, int, int, int, int]:
+    """[L, K, P, B, E] of one half (k or v) of a pool of `num_pages` pages."""
+    return (cfg.num_layers, num_kv_heads or cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+
+
+def make_halves(make: Callable[[], jax.Array]) -> dict[str, jax.Array]:
+    """The pool's k and v, each from its own `make()` and waited for before the next.
+
+    Why not one program with two outputs: a pool is sized to what the device has free, so its
+    allocation may fail. Made one at a time, a failure is always of one whole array: the half
+    made before it is deleted here, at once, and the error leaves nothing allocated behind it
+    (serving/engine/memory.py `allocate_to_fit` then tries a smaller pool)."""
+    made: dict[str, jax.Array] = {}
+    try:
+        for name in ("k", "v"):
+            made[name] = make()
+            made[name].block_until_ready()
+    except Exception:
+        for a in made.values():
+            with contextlib.suppress(Exception):
+                a.delete()
+        made.clear()
+        raise
+    return made
 
 
 def storage_dtype(dtype: Any) -> Any:

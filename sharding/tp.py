@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdet.batch import StepBatch
 from jdet.config import ModelConfig
-from jdet.kv_cache import init_kv_cache, storage_dtype
+from jdet.kv_cache import make_halves, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import (
     Plan,
@@ -132,11 +132,14 @@ def init_tp_kv_cache(
         # Zeros made by numpy and placed: the jitted maker below compiles a program (a cost in
         # every cold `jdet generate`); the same zeros, the same placement.
         return {n: jax.device_put(np.zeros(shape, dt), sharding) for n in ("k", "v")}
-    make = jax.jit(
-        functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, num_kv_heads=k),
-        out_shardings={n: sharding for n in ("k", "v")},
-    )
-    return make()
+    return make_halves(_zeros_maker(shape, dt, sharding))
+
+
+@functools.cache
+def _zeros_maker(shape: tuple, dtype: Any, sharding: NamedSharding) -> Callable[[], jax.Array]:
+    """One jitted program making one zeroed half of the pool in place on the mesh (cached, so
+    the tries of a pool's sizing compile it once per size)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def _gather_vocab(logits: jax.Array) -> jax.Array:

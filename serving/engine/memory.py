@@ -207,16 +207,29 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
 
     Why not just `num_pages`: the pool is two arrays of up to tens of GiB each, and each needs
     one contiguous block of the device allocator. Bytes that are free in total may be cut into
-    smaller holes by what was placed and freed before (the weights' preparation), and a failed
-    allocation is reported only when the step first reads the array. So each try is waited for,
-    and a pool that does not fit, or leaves no block for the step, is freed and tried 10 %
-    smaller. A failed try's arrays are deleted at once, the runner's and any other pool-shaped
-    array the try left alive (`_strays`: one half of a pool whose other half failed is held by
-    whatever references it, the error's traceback for one): a try that keeps its memory makes
-    the next, smaller one fail too, down to nothing (on an H200 every try failed down to a
-    549 MiB pool, as if each had kept its memory)."""
+    smaller holes by what was placed and freed before (the weights' preparation). So:
+    - each try first fits one half to the largest free block the allocator reports (a half
+      bigger than that block cannot be placed, whatever the total free);
+    - the halves are made one at a time and waited for (jdet/kv_cache.py `make_halves`), so a
+      failure is of one whole array and the half made before it is deleted at once; a pool that
+      does not fit, or leaves no block of `keep_free` for the step, is freed and tried 10 %
+      smaller;
+    - a failed try's arrays are deleted, the runner's and any other pool-shaped array the try
+      left alive (`_strays`: whatever else references them, an error's traceback for one).
+    A try that kept its memory would make every smaller one fail too (on an H200 every try of a
+    pool made as one two-output program failed, down to a 548 MiB pool, with the device's
+    in-use memory grown to its limit), so each failed try's line names the device's in-use
+    memory and largest free block after the cleanup."""
     tries: list[str] = []  # what each try met: the error names them all
+    half = _half_page_bytes(runner)
     for _ in range(40):
+        block = largest_free_block()
+        if half and block is not None and num_pages * half > block:
+            # a half is one array: more pages than the largest free block holds cannot fit
+            num_pages = block // half
+            if num_pages < 1:
+                tries.append(f"no free block holds a page ({block / GiB:.2f} GiB)")
+                break
         before = {id(a) for a in jax.live_arrays()}
         try:
             runner.allocate_kv(num_pages)
@@ -230,20 +243,38 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             tries.append(f"{num_pages} pages: {str(e).strip().splitlines()[0][:200]}")
-        _log.warning("KV pool try %d: %s; freed, trying 10 %% smaller", len(tries), tries[-1])
         free_pool(runner, _strays(runner, num_pages, before))
+        tries[-1] += f" (freed: {_stats()})"
+        _log.warning("KV pool try %d: %s; trying 10 %% smaller", len(tries), tries[-1])
         num_pages = int(num_pages * 0.9)
         if num_pages < 1:
             break
-    stats = jax.local_devices()[0].memory_stats() or {}
-    keys = ("bytes_in_use", "largest_free_block_bytes", "bytes_limit")
-    now = ", ".join(f"{k} {int(stats[k]) / GiB:.2f} GiB" for k in keys if k in stats)
     shown = tries if len(tries) <= 4 else [*tries[:3], "...", tries[-1]]
     raise MemoryError(
         f"no KV pool fits beside the weights with a {keep_free / GiB:.2f} GiB block left for "
         f"the step: the device's free memory is too fragmented or too small. {len(tries)} tries: "
-        + "; ".join(shown) + f". Now: {now}"
+        + "; ".join(shown)
+        + f". Now: {_stats()}"
     )
+
+
+def _stats() -> str:
+    """The device allocator's in-use, largest free block and limit, where it reports them: in
+    each failed try's line, so a try that kept memory shows as a growing in-use."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = {}
+    keys = ("bytes_in_use", "largest_free_block_bytes", "bytes_limit")
+    return ", ".join(f"{k} {int(stats[k]) / GiB:.2f} GiB" for k in keys if k in stats) or "no stats"
+
+
+def _half_page_bytes(runner: Any) -> int:
+    """Bytes one page adds to one half (k or v) of the pool on one device; 0 where the runner
+    cannot say (then the tries alone find the size)."""
+    if getattr(runner, "abstract_kv", None) is None or not hasattr(runner, "kv_devices"):
+        return 0
+    return page_bytes_per_device(runner) // 2
 
 
 def free_pool(runner: Any, strays: list | None = None) -> None:

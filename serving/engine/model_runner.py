@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdet import compile_cache, exec_cache
-from jdet.kv_cache import init_kv_cache, storage_dtype
+from jdet.kv_cache import kv_shape, make_halves, storage_dtype
 from jdet.ops import Ops
 from jdet.plan import Plan
 from jdet.step import make_score_fn, make_step_fn
@@ -109,8 +109,11 @@ class ModelRunner:
             self.token_sharding = SingleDeviceSharding(jax.devices()[0])
             # committed to the device, as every step's returned cache is: an uncommitted first
             # cache is another argument sharding, so the first step shape compiled twice
-            self._init_kv = lambda n: jax.device_put(
-                init_kv_cache(self.cfg, n, page_size, self.kv_dtype), self.token_sharding
+            self._init_kv = lambda n: make_halves(
+                lambda: jax.device_put(
+                    jnp.zeros(kv_shape(self.cfg, n, page_size), storage_dtype(self.kv_dtype)),
+                    self.token_sharding,
+                )
             )
             self._kv_sharding = self.token_sharding
             self.kv_devices = 1

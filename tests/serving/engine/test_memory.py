@@ -207,3 +207,51 @@ def test_a_failed_try_frees_a_half_pool_held_elsewhere(monkeypatch):
     assert all(a.is_deleted() for a in held[:-1])  # every failed try's K
     assert not held[-1].is_deleted() and held[-1] is runner.kv["k"]
     assert not any(a.is_deleted() for a in other)
+
+
+def test_a_pool_half_whose_partner_fails_is_deleted_before_the_error_leaves():
+    """The pool's halves are made one at a time (jdet/kv_cache.py `make_halves`): when V's
+    allocation fails, the K already made is deleted before the error propagates, so nothing of a
+    failed try stays allocated; when both succeed, both are kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdet.kv_cache import make_halves
+
+    made = []
+
+    def make_then_fail():
+        if made:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (V)")
+        made.append(jnp.zeros(8))
+        return made[-1]
+
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        make_halves(make_then_fail)
+    assert len(made) == 1 and made[0].is_deleted()
+    pool = make_halves(lambda: jnp.zeros(8))
+    assert set(pool) == {"k", "v"} and not any(a.is_deleted() for a in pool.values())
+
+
+def test_each_try_fits_a_half_to_the_largest_free_block(monkeypatch):
+    """A half is one array, so the first try asks for no more pages than the allocator's largest
+    free block holds (here 30 of the 100 the budget allows), not for 100, 90, ... in turn."""
+    import jax
+    import jax.numpy as jnp
+
+    asked = []
+
+    class Runner:
+        kv = None
+        kv_devices = 1
+
+        def abstract_kv(self, num_pages):  # one page: 2 x 4 f32 = 32 bytes a half
+            return {n: jax.ShapeDtypeStruct((2, num_pages, 4), jnp.float32) for n in "kv"}
+
+        def allocate_kv(self, num_pages):
+            asked.append(num_pages)
+            self.kv = {n: jnp.zeros((2, num_pages, 4)) for n in "kv"}
+
+    monkeypatch.setattr(memory, "largest_free_block", lambda: 30 * 32 + 5)
+    assert memory.allocate_to_fit(Runner(), 100, keep_free=0) == 30
+    assert asked == [30]
