@@ -29,6 +29,7 @@ import cProfile
 import gc
 import io
 import json
+import logging
 import os
 import pstats
 import subprocess
@@ -133,11 +134,15 @@ def _step_child(shape: str, max_len: int, smoke: bool) -> None:
     runner, budget = llm.engine.runner, llm.engine.memory_budget
     if budget is not None:  # a device with a memory limit: the pool was sized
         pages = runner.num_pages
+        tries: list[str] = []  # each failed try's line (the allocator's error, in-use, block)
+        catch = logging.Handler()
+        catch.emit = lambda rec: tries.append(rec.getMessage()[:400])  # type: ignore[method-assign]
+        logging.getLogger(memory.__name__).addHandler(catch)
         t0 = time.perf_counter()
         got = memory.allocate_to_fit(runner, 2 * pages, keep_free=budget.peak)
         print(json.dumps({"part": "failed_tries", "fits": pages, "asked": 2 * pages, "got": got,
                           "within_10pct": got >= 0.9 * pages, "s": time.perf_counter() - t0,
-                          "device": _device_state()}), flush=True)  # fmt: skip
+                          "tries": tries, "device": _device_state()}), flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,7 @@ class EngineConfig:
     step_programs: str = _opt(
         "auto", "the step as 'split' (the forward, then the sampler: each forward shape traced "
         "once for every sampler variant, so warm-up compiles less) or 'fused' (one program per "
-        "shape and variant), the same bits either way; 'auto': split on a CPU, fused on a GPU",
+        "shape and variant), the same bits either way; 'auto': split",
         choices=("auto", "split", "fused"),
     )  # fmt: skip
     async_scheduling: bool | str = _opt(

@@ -34,7 +34,6 @@ from jax import lax
 
 from jdet import exec_cache
 from jdet.ops import Ops
-from jdet.plan import backend
 from jdet.sampling import sample, token_logprobs
 from jdet.step import SamplingInputs, jit_step, logits_body, xla_options
 from sharding.tp import tp_logits_body
@@ -256,12 +255,13 @@ STEP_PROGRAMS = ("auto", "split", "fused")
 def split_step_here(step_programs: str = "auto") -> bool:
     """Whether an engine's own step runs as `SplitStep` (`split_step_fn` says why) or as one
     program per shape and variant (`packed`): EngineConfig.step_programs, where "auto" is split
-    on a CPU and fused on a GPU. Why fused stays a GPU's default: the split step's cold start and
-    step time on a GPU are measured by benchmarks/start_bench.py, and a default changes only with
-    that measure in hand."""
+    on every backend. Why: on an H200 (Llama-3-8B shape, batch-1 decode through `LLM.generate`,
+    benchmarks/start_bench.py) the two steps took the same time within a third of a percent,
+    and the split step compiles fewer executables at warm-up (each forward shape traced once for
+    both sampler variants); BENCHMARKS.md holds the figures."""
     if step_programs not in STEP_PROGRAMS:
         raise ValueError(f"step_programs={step_programs!r}: choose one of {STEP_PROGRAMS}")
-    return backend().cpu if step_programs == "auto" else step_programs == "split"
+    return step_programs != "fused"
 
 
 @functools.cache

@@ -221,6 +221,8 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
     in-use memory grown to its limit), so each failed try's line names the device's in-use
     memory and largest free block after the cleanup."""
     tries: list[str] = []  # what each try met: the error names them all
+    if getattr(runner, "kv", None) is not None:
+        free_pool(runner)  # a pool already there: its memory is the first try's to use
     half = _half_page_bytes(runner)
     for _ in range(40):
         block = largest_free_block()

@@ -7,9 +7,10 @@ run any variant that *covers* its rows (filter on if some row has top_k > 0 or t
 log-probs if some request asked for them), with the same bits for every row (jdet/sampling.py
 says why; tests/jdet/test_sampler_variants.py checks it). Each variant is another executable
 (a sampler per row bucket: the step's forward is shared, serving/engine/host_inputs.py
-`SplitStep`; with the step as one program, a GPU's default, a step per shape and variant), so
-the engine runs only the variants of `engine_variants()` (LEAN and FULL on a GPU, GREEDY and
-FULL on a CPU) and warm-up compiles exactly those: a step takes the first (cheapest) that covers it.
+`SplitStep`; with the step as one program, `step_programs="fused"`, a step per shape and
+variant), so the engine runs only the variants of `engine_variants()` (LEAN and FULL on a GPU,
+GREEDY and FULL on a CPU) and warm-up compiles exactly those: a step takes the first (cheapest)
+that covers it.
 
 Why two, not all four, on a GPU: every variant adds executables to warm-up. "lean" serves what
 needs neither — greedy and plain-temperature decoding, log-probs without top log-probs (the RL and

@@ -330,9 +330,9 @@ def test_after_warmup_every_sampler_call_runs_its_warmed_executable(serving_mode
 
 
 def test_step_programs_chooses_split_or_fused_and_refuses_other_values():
-    """EngineConfig.step_programs picks the step's programs; "auto" on a CPU (this machine) is
-    split; anything else is refused by name rather than read as either."""
-    assert split_step_here("auto") and split_step_here()  # a CPU's default
+    """EngineConfig.step_programs picks the step's programs; "auto" is split (on every
+    backend); anything else is refused by name rather than read as either."""
+    assert split_step_here("auto") and split_step_here()  # the default
     assert split_step_here("split")
     assert not split_step_here("fused")
     with pytest.raises(ValueError, match="step_programs='1'"):
@@ -340,9 +340,9 @@ def test_step_programs_chooses_split_or_fused_and_refuses_other_values():
 
 
 def test_the_fused_step_gives_the_split_steps_bits(serving_model):
-    """A GPU's default step (one program per shape and variant) and a CPU's (the forward, then
-    the sampler) on one model: equal tokens, log-probs and top log-probs, greedy and sampled,
-    and equal score(). Control: the comparison sees a changed seed."""
+    """The fused step (one program per shape and variant) and the default split one (the
+    forward, then the sampler) on one model: equal tokens, log-probs and top log-probs, greedy
+    and sampled, and equal score(). Control: the comparison sees a changed seed."""
     import dataclasses
 
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
