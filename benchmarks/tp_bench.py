@@ -3,8 +3,9 @@
 1. All-reduce of f32 row-parallel partials [T, D] (D = 4096, 8192; T = 1, 16, 256, 4096) over
    TP = 2, 4, 8 (as many as the host has): `lax.psum` (NCCL) vs `tree_allreduce` with each
    schedule ("exchange": log2(tp) full-size swaps; "halving": reduce-scatter by recursive halving +
-   all-gather by recursive doubling; "halving_ag": the same reduce-scatter + NCCL all-gather) and
-   "auto" (what jdet runs: the schedule picked by size).
+   all-gather by recursive doubling; "halving_ag": the same reduce-scatter + NCCL all-gather;
+   "pull": the one-launch Mosaic GPU kernel, on Hopper, for the sizes it takes) and "auto" (what
+   jdet runs: the schedule picked by size).
    Each timing is one jitted program of REPEAT chained all-reduces (x <- allreduce(x)), so launch
    overhead is amortised; reported per all-reduce, with the bus bandwidth 2(n-1)/n * bytes / t
    (NCCL's convention) and the ratio tree/psum (target <= 1.15). Before timing, the tree result is
@@ -44,7 +45,9 @@ from sharding.tp import init_tp_kv_cache, make_tp_step
 from sharding.tree_allreduce import (
     GATHER_MAX_BYTES_TP2,
     GATHER_MAX_TOTAL_BYTES,
+    PULL_MAX_BYTES,
     auto_schedule,
+    pull_runs_here,
     tree_allreduce,
     tree_sum_reference,
 )
@@ -83,8 +86,9 @@ def _chain(op, mesh, repeat: int):
     return jax.jit(shard_map(body, mesh=mesh, in_specs=P(TP_AXIS), out_specs=P(TP_AXIS)))
 
 
-def _ops() -> dict:
-    return {
+def _ops(shape: tuple[int, int] | None = None, tp: int = 2) -> dict:
+    """psum and every tree schedule; "pull" where it runs and takes [T, D] = `shape`."""
+    ops = {
         "psum": lambda x: jax.lax.psum(x, TP_AXIS),
         "pairs": lambda x: tree_allreduce(x, TP_AXIS, algorithm="pairs"),
         "gather": lambda x: tree_allreduce(x, TP_AXIS, algorithm="gather"),
@@ -92,6 +96,12 @@ def _ops() -> dict:
         "halving": lambda x: tree_allreduce(x, TP_AXIS, algorithm="halving"),
         "halving_ag": lambda x: tree_allreduce(x, TP_AXIS, algorithm="halving_ag"),
     }
+    if pull_runs_here():
+        from pallas_kernels.allreduce_mosaic import unsupported
+
+        if shape is None or unsupported((1, *shape), jnp.float32, tp) is None:
+            ops["pull"] = lambda x: tree_allreduce(x, TP_AXIS, algorithm="pull")
+    return ops
 
 
 def check_tree_bits(mesh, tp: int, shape=(16, 4096)) -> bool:
@@ -102,8 +112,9 @@ def check_tree_bits(mesh, tp: int, shape=(16, 4096)) -> bool:
     )
     ref = tree_sum_reference(list(x))
     ok = True
-    for name in [k for k in _ops() if k != "psum"]:  # every tree schedule
-        f = _chain(_ops()[name], mesh, 1)
+    ops = _ops(shape, tp)
+    for name in [k for k in ops if k != "psum"]:  # every tree schedule
+        f = _chain(ops[name], mesh, 1)
         out = np.asarray(f(x.reshape(tp * shape[0], shape[1]))).reshape(tp, *shape)
         ok &= all(np.array_equal(out[r], ref) for r in range(tp))
     return bool(ok)
@@ -157,7 +168,8 @@ def allreduce_bench(tps, dims, tokens, budget_s: float) -> list[dict]:
                     jnp.ones((tp * t, d), jnp.float32), NamedSharding(mesh, P(TP_AXIS))
                 )
                 r = {"tp": tp, "D": d, "T": t, "bytes_per_device": nbytes, "tree_bits_ok": bits_ok}
-                for name, op in _ops().items():
+                ops = _ops((t, d), tp)
+                for name, op in ops.items():
                     try:
                         sec = _time(_chain(op, mesh, REPEAT), x) / REPEAT
                         r[f"{name}_us"] = round(sec * 1e6, 2)
@@ -168,7 +180,7 @@ def allreduce_bench(tps, dims, tokens, budget_s: float) -> list[dict]:
                 if f"{auto}_us" in r and "psum_us" in r:
                     r["auto"] = auto
                     r["auto_over_psum"] = round(r[f"{auto}_us"] / r["psum_us"], 3)
-                    trees = [k for k in _ops() if k != "psum" and f"{k}_us" in r]
+                    trees = [k for k in ops if k != "psum" and f"{k}_us" in r]
                     best = min(trees, key=lambda k: r[f"{k}_us"])
                     r["best_tree"] = best
                     r["best_tree_over_psum"] = round(r[f"{best}_us"] / r["psum_us"], 3)
@@ -199,8 +211,9 @@ def random_sharded_params(cfg: ModelConfig, mesh, dtype=jnp.bfloat16, seed: int 
 
 
 def decode_bench(cfg: ModelConfig, mesh, params: dict, mode: str, batch: int, ctx: int,
-                 page: int = 16, steps: int = 10) -> dict:  # fmt: skip
-    """Time one decode step of `batch` sequences at context `ctx` (one token each)."""
+                 page: int = 16, steps: int = 10, **ops_kw) -> dict:  # fmt: skip
+    """Time one decode step of `batch` sequences at context `ctx` (one token each). `ops_kw`:
+    make_tp_step's (e.g. allreduce="xla_auto")."""
     tp = mesh.shape[TP_AXIS]
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / tp
     pages_per_seq = -(-(ctx + 1) // page)
@@ -216,7 +229,7 @@ def decode_bench(cfg: ModelConfig, mesh, params: dict, mode: str, batch: int, ct
         seed=np.arange(batch, dtype=np.uint32),
         position=np.full(batch, ctx + 1, np.int32),
     )
-    step = make_tp_step(cfg, mode, mesh)
+    step = make_tp_step(cfg, mode, mesh, **ops_kw)
     t0 = time.time()
     kv, out = step(params, kv, b, sp)
     jax.block_until_ready(out)
@@ -256,6 +269,8 @@ def run(out_dir: str, small: bool = False, budget_s: float | None = None) -> dic
         "auto_policy": {
             "gather_max_bytes_tp2": GATHER_MAX_BYTES_TP2,
             "gather_max_total_bytes": GATHER_MAX_TOTAL_BYTES,
+            "pull_max_bytes": PULL_MAX_BYTES,
+            "pull_runs_here": pull_runs_here(),
         },
         "repeat": REPEAT,
     }
@@ -331,8 +346,9 @@ def run(out_dir: str, small: bool = False, budget_s: float | None = None) -> dic
 def main(argv: list[str] | None = None) -> int:
     """`python -m benchmarks.tp_bench OUT [--tests] [--deadline-s S]`.
 
-    --tests first runs the `-m gpu` tests of tests/sharding in this process (one JAX start for
-    both); the benchmark then gets what is left of the deadline.
+    --tests first runs the `-m gpu` tests of the tree all-reduce and of TP
+    (tests/sharding/test_tree_allreduce_gpu.py, test_tp_gpu.py) in this process (one JAX start
+    for both); the benchmark then gets what is left of the deadline.
     """
     import argparse
 
@@ -348,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.tests:
         import pytest
 
-        args = ["-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", "tests/sharding/test_tp_gpu.py"]
+        args = ["-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
+                "tests/sharding/test_tree_allreduce_gpu.py", "tests/sharding/test_tp_gpu.py"]
         tests = {"returncode": int(pytest.main([*args, f"--junitxml={out / 'tp_gpu_tests.xml'}"]))}
         tests["seconds"] = round(time.time() - t0, 1)
         print(json.dumps({"gpu_tests": tests}), flush=True)

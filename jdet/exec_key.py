@@ -43,7 +43,9 @@ _CONFIG_SKIP = ("compilation_cache", "persistent_cache")
 # `jdet generate` on a CPU (it keys its steps at their first call), and off a GPU no step can
 # trace them, so no monkeypatch of theirs can change the executable. Their files are still in
 # `source_hash`, and the platform is in the key.
-_GPU_ONLY = ("pallas_kernels.matmul_mosaic", "pallas_kernels.tree_mosaic")
+_GPU_ONLY = (
+    "pallas_kernels.allreduce_mosaic", "pallas_kernels.matmul_mosaic", "pallas_kernels.tree_mosaic",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the key

@@ -136,13 +136,14 @@ def _attention_and_mlp(
     """The rest of `layer_forward` once the query is ready and the cache written."""
     E = cfg.head_dim
     eps = cfg.rms_norm_eps
+    T = batch.token_ids.shape[0]  # the rows o_proj's and down_proj's all-reduce must reduce
     attn = ops.attention(q, kv, layer, batch, E**-0.5, meta=attn_meta, out_rows=rows)
     attn = attn.reshape(rows, -1)
     if cfg.o_bias:
         x = x + (ops.row_matmul(attn, lp["wo"]) + lp["bo"])
         h = ops.rms_norm(x, norms["mlp_norm"], eps, layer)
     else:  # o_proj's combine, the residual add and the norm: one kernel where it can be
-        x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer)
+        x, h = ops.residual_norm(x, attn, lp["wo"], norms["mlp_norm"], eps, layer, live=T)
     if cfg.is_moe:  # the expert / dense FFN by the layer's kind (jdet/moe.py)
         x = x + ffn_forward(ffn or {}, h, layer, cfg, ops, batch.slot_mapping)
         h_next = None if next_norm is None else ops.rms_norm(x, next_norm, eps, layer)
@@ -154,9 +155,9 @@ def _attention_and_mlp(
         up = ops.matmul(h, lp["w_up"])
         act = swiglu_act(gate, up, x.dtype)
     if next_norm is not None:
-        x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer)
+        x, h_next = ops.residual_norm(x, act, lp["w_down"], next_norm, eps, layer, live=T)
         return x, kv, h_next
-    x = x + ops.row_matmul(act, lp["w_down"])
+    x = ops.add_row_matmul(x, act, lp["w_down"], live=T)
     return x, kv, None
 
 

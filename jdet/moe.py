@@ -155,6 +155,12 @@ def ffn_forward(
     """Layer `layer`'s FFN of a mixture-of-experts model on h[T', D] (`pop_ffn`'s stacks).
     `slot_mapping` [T <= T']: the step's K/V slots, -1 on padding rows (jdet/batch.py), which
     with the rows past T skip the experts (`moe_block`'s `real`)."""
+    t = h.shape[0] if slot_mapping is None else slot_mapping.shape[0]
+    if ops.row_shards > 1 and t < h.shape[0]:
+        # Under TP only the step's rows: the FFN's all-reduce would send `Ops.row_pad`'s
+        # padding rows too (they come back as zeros: no real row reads them)
+        out = ffn_forward(ffn, h[:t], layer, cfg, ops, slot_mapping)
+        return jnp.pad(out, ((0, h.shape[0] - t), (0, 0)))
     sparse = {n: ffn[n] for n in SPARSE_FFN}
     dense = {n: ffn[n] for n in DENSE_FFN if n in ffn}
     real = None

@@ -10,9 +10,9 @@ Why: the model is written once; `invariance` decides which implementation every 
             everywhere, paged attention with fixed KV partitions, invariant RMSNorm/log_softmax).
   "tp"    — as "batch", and the row-parallel projections (o_proj, down_proj) use the tree-reduce
             matmul (TBIK), whose tree continues across devices, so TP=1..8 give the same bits.
-Under tensor parallelism `row_partial`/`row_reduce` are set by `sharding/`: the row-parallel
-projection computes its f32 shard partial and the cross-device reduction (tree all-reduce in
-"tp", psum in "batch") combines them before the cast.
+Under tensor parallelism `sharding/` sets `row_partial`/`row_reduce`: a device's f32 partial of a
+row-parallel projection as leaf groups [G, T, N], and their cross-device sum (tree all-reduce in
+"tp", psum in "batch"; sharding's `tree_allreduce_parts`), which also adds the residual.
 Elementwise work (RoPE, SwiGLU, residual adds) has no reduction and is shared by every mode.
 """
 
@@ -103,7 +103,7 @@ def _xla_matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
 class Ops:
     invariance: str = "tp"
     row_partial: Callable[[jax.Array, jax.Array], jax.Array] | None = None
-    row_reduce: Callable[[jax.Array], jax.Array] | None = None
+    row_reduce: Callable[..., jax.Array] | None = None
     # Devices the row-parallel input width is split over (sharding/tp.py make_tp_ops): the
     # experts' down projection computes its own subtree of that many (`grouped_row_matmul`).
     row_shards: int = 1
@@ -111,8 +111,8 @@ class Ops:
     # 512: a batch-1 decode at 1k context then has twice the programs, which a decode step gains
     # more from than a long prefill chunk's attention loses (BENCHMARKS.md).
     attn_partition: int = 256
-    # Carry the residual stream padded to the matmuls' CTA rows (`row_pad`). Off under TP > 1
-    # (sharding/tp.py): the row-parallel partials would then all-reduce the padding rows too.
+    # Carry the residual stream padded to the matmuls' CTA rows (`row_pad`). Under TP > 1 only
+    # in "tp", whose all-reduce skips the padding rows (`add_row_matmul`); psum would send them.
     pad_rows: bool = True
     # The weight layout the model reads, stated rather than probed from the params' keys: the
     # plan's prepared weights (jdet/plan.py `prepare_params`, the sharded runtime's) hold an
@@ -214,6 +214,14 @@ class Ops:
             return tree_matmul(x, w, out_dtype=x.dtype, tiles=self.decode_tiles)
         return self.matmul(x, w)
 
+    def add_row_matmul(self, x: jax.Array, a: jax.Array, w: jax.Array,
+                       live: int | None = None) -> jax.Array:  # fmt: skip
+        """x + row_matmul(a, w); under TP the combine adds x (on Hopper inside the all-reduce
+        kernel, same bits) over the step's `live` rows: `row_pad`'s padding keeps x's values."""
+        if self.row_reduce is not None and self.row_partial is not None:
+            return self.row_reduce(self.row_partial(a, w), residual=x, live_rows=live)
+        return x + self.row_matmul(a, w)
+
     # -- mixture-of-experts: the grouped matmul (pallas_kernels/grouped_matmul.py) ---------------
     def grouped_tiles(self, ids: jax.Array, num_groups: int) -> Any:
         """The grouped layout of rows with group (expert) `ids` [R], in the kernel's tiles."""
@@ -252,12 +260,12 @@ class Ops:
             part = gm.grouped_matmul_xla(xs, w, tiles, f32, layer=layer)
         part = gm.scatter_rows(part, tiles)
         if self.row_reduce is not None:
-            part = self.row_reduce(part)
+            part = self.row_reduce(part[None])
         return part.astype(xs.dtype)
 
     def residual_norm(
         self, x: jax.Array, a: jax.Array, w: jax.Array, norm_w: jax.Array, eps: float,
-        layer: jax.Array,
+        layer: jax.Array, live: int | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
         """(x + row_matmul(a, w), its RMSNorm with row `layer` of the stacked norm_w [L, D]).
 
@@ -268,7 +276,7 @@ class Ops:
             parts = tree_matmul_parts(a, w, tiles=self.decode_tiles)
             if parts is not None:
                 return add_rms_norm(x, parts, norm_w, eps, layer=layer)
-        x = x + self.row_matmul(a, w)
+        x = self.add_row_matmul(x, a, w, live)
         return x, self.rms_norm(x, norm_w, eps, layer)
 
     def fold_down_norm(self) -> bool:

@@ -43,7 +43,7 @@ from jdet.tp_layout import (
 from pallas_kernels import _platform
 from pallas_kernels._platform import Backend
 from pallas_kernels.matmul import matmul
-from pallas_kernels.tree_matmul import tree_matmul_partial, tree_plan
+from pallas_kernels.tree_matmul import tree_matmul_partial_parts, tree_plan
 from pallas_kernels.xla_fixed import block_weight
 
 VOCAB_MULTIPLE = 128 * MAX_TP  # lane-aligned vocab shards for every TP size
@@ -125,25 +125,25 @@ class Plan:
 
 def row_partial_kernel(invariance: str, num_shards: int) -> Callable:
     """The f32 partial of a row-parallel projection (o_proj, down_proj) over one device's
-    contiguous shard of the input width I: the exact subtree of the tree matmul in "tp" (its
-    upper levels are the tree all-reduce), a BIO matmul in "batch", an XLA dot in "none" (both
-    combined by psum)."""
+    contiguous shard of the input width I, as leaf groups [G, T, N] whose `combine_tree` is the
+    partial (`Ops.row_partial`): the exact subtree of the tree matmul in "tp", in the groups
+    the Hopper kernel leaves it in (its upper levels, and these groups' sum, are the tree
+    all-reduce's); a BIO matmul in "batch", an XLA dot in "none" (G = 1, combined by psum)."""
     check_mode(invariance)
     n = num_shards
     if invariance == "tp":
         def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-            # Every shard's subtree has the same shape, so the kernel needs no device index; a
-            # static 0 stands in for lax.axis_index (a tracer), which the kernel only validates.
-            return tree_matmul_partial(x, w, k_total=w.shape[0] * n, shard=0, num_shards=n)
+            # Every shard's subtree has the same shape, so the kernel needs no device index.
+            return tree_matmul_partial_parts(x, w, k_total=w.shape[0] * n, num_shards=n)
 
     elif invariance == "batch":
         def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-            return matmul(x, w, out_dtype=jnp.float32)
+            return matmul(x, w, out_dtype=jnp.float32)[None]
 
     else:
 
         def row_partial(x: jax.Array, w: jax.Array) -> jax.Array:
-            return jnp.dot(x, w, preferred_element_type=jnp.float32)
+            return jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
 
     return row_partial
 

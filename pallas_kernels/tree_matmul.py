@@ -181,6 +181,42 @@ def tree_matmul_partial(
     `combine_tree([partial(shard=i) for i in range(C)])` equals tree_matmul's f32 result bitwise.
     Raises ValueError when the shards cannot be whole subtrees of the plan of `k_total`.
     """
+    plan = _shard_plan(a, b, k_total, shard, num_shards)
+    return _subtree(
+        a,
+        b,
+        k_total=k_total,
+        num_leaves=plan.num_leaves // num_shards,
+        out_dtype=jnp.dtype(jnp.float32),
+        backend=backend,
+    )
+
+
+def tree_matmul_partial_parts(
+    a: jax.Array, b: jax.Array, *, k_total: int, num_shards: int, backend: str | None = None
+) -> jax.Array:
+    """`tree_matmul_partial` (shard 0's shape; every shard's is the same) as f32 leaf groups
+    [G, M, N]: `combine_tree(list(parts))` is its result bitwise. Where the Hopper kernel splits
+    the shard's subtree over work items (tree_mosaic.tree_strategy), the G group results it
+    wrote, which tree_matmul_partial adds in one more XLA pass; elsewhere the partial, [1, M, N].
+    For a consumer that adds the groups itself: the tree all-reduce (sharding/tree_allreduce.py
+    `tree_allreduce_parts`), which then reads them where the kernel wrote them."""
+    plan = _shard_plan(a, b, k_total, 0, num_shards)
+    dtype = _mm._check_operands(a, b)
+    if _mm.resolve_backend(backend) == "mosaic":
+        from pallas_kernels import matmul_mosaic, tree_mosaic  # slow Mosaic GPU import: Hopper only
+
+        if matmul_mosaic.supports(k_total, b.shape[1], dtype, tree=True):
+            return tree_mosaic.tree_parts(a.astype(dtype), b.astype(dtype),
+                                          num_leaves=plan.num_leaves // num_shards)  # fmt: skip
+    partial = tree_matmul_partial(a, b, k_total=k_total, shard=0, num_shards=num_shards,
+                                  backend=backend)  # fmt: skip
+    return partial[None]
+
+
+def _shard_plan(a: jax.Array, b: jax.Array, k_total: int, shard: int, num_shards: int) -> TreePlan:
+    """The plan of `k_total`, after checking that shard `shard` of `num_shards` is a whole
+    subtree of it and that a holds that shard."""
     dtype = _mm._check_operands(a, b)
     plan = tree_plan(k_total, dtype)
     c = num_shards
@@ -202,14 +238,7 @@ def tree_matmul_partial(
         )
     if not 0 <= shard < c:
         raise ValueError(f"shard={shard} is outside 0..{c - 1}")
-    return _subtree(
-        a,
-        b,
-        k_total=k_total,
-        num_leaves=plan.num_leaves // c,
-        out_dtype=jnp.dtype(jnp.float32),
-        backend=backend,
-    )
+    return plan
 
 
 def tree_matmul_reference(

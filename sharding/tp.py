@@ -50,24 +50,28 @@ from jdet.step import jit_step, logits_body, score_body, step_body
 from jdet.tp_layout import check_heads, kv_heads_in_cache
 from sharding.mesh import TP_AXIS, make_tp_mesh, shard_map, tp_size
 from sharding.specs import kv_partition_specs, named, param_partition_specs
-from sharding.tree_allreduce import tree_allreduce
+from sharding.tree_allreduce import ALGORITHMS, psum_parts, tree_allreduce_parts
 
 
-def make_tp_ops(ops_mode: str, num_shards: int, **ops_kw: Any) -> Ops:
+def make_tp_ops(ops_mode: str, num_shards: int, allreduce: str = "auto", **ops_kw: Any) -> Ops:
     """The per-device Ops of a TP shard (valid inside shard_map over TP_AXIS): the plan's
     row-parallel partial (jdet/plan.py `row_partial_kernel`) and the cross-device combine, the
-    tree all-reduce in "tp" and psum otherwise. `ops_kw` sets the other Ops fields
+    tree all-reduce in "tp" (`allreduce`: its schedule, sharding/tree_allreduce.py ALGORITHMS;
+    every one gives the same bits) and psum otherwise. `ops_kw` sets the other Ops fields
     (attn_partition) for benchmarks; the layout fields default to that of `shard_params`'
     weights (lm_head untied; q|k|v and gate|up fused where `fuse_default()`)."""
     row_partial = row_partial_kernel(ops_mode, num_shards)  # validates the mode
+    if allreduce not in ALGORITHMS:
+        raise ValueError(f"allreduce must be one of {ALGORITHMS}, got {allreduce!r}")
     if ops_mode == "tp":
-        row_reduce = functools.partial(tree_allreduce, axis_name=TP_AXIS)
+        row_reduce = functools.partial(tree_allreduce_parts, axis_name=TP_AXIS,
+                                       algorithm=allreduce)  # fmt: skip
     else:
+        row_reduce = functools.partial(psum_parts, axis_name=TP_AXIS)
 
-        def row_reduce(p: jax.Array) -> jax.Array:
-            return lax.psum(p, TP_AXIS)
-
-    ops_kw.setdefault("pad_rows", num_shards == 1)  # Ops.pad_rows says why
+    # the residual stream padded as the Hopper matmuls want it (Ops.pad_rows): in "tp" the
+    # all-reduce skips the padding rows, psum would send them
+    ops_kw.setdefault("pad_rows", num_shards == 1 or ops_mode == "tp")
     ops_kw.setdefault("row_shards", num_shards)  # the experts' down_proj subtree (jdet/moe.py)
     # one shard: the cross-device combine is the identity, so o_proj's partial may be combined,
     # added and normalised in one kernel (Ops.residual_norm); across shards it may not
@@ -161,7 +165,7 @@ def make_tp_step(
     """step(params, kv, batch, sampling) -> (kv, SampleOut), as jdet.step.make_step_fn, on `mesh`.
 
     `params` must come from `shard_params` (padded, kv heads replicated, placed) and `kv` from
-    `init_tp_kv_cache`. `ops_kw`: Ops fields other than the mode (see make_tp_ops).
+    `init_tp_kv_cache`. `ops_kw`: make_tp_ops' keywords (`allreduce`, Ops fields).
     """
     check_heads(cfg, tp_size(mesh))
     ops = make_tp_ops(ops_mode, tp_size(mesh), **ops_kw)

@@ -12,8 +12,14 @@ exact subtree of I shard r (`tree_matmul_partial`), the all-reduced value is bit
 ring/tree, or a serial sum on CPU) promises no order, which is why "batch" mode may differ between
 TP sizes.
 
-Five schedules compute that one expression; they differ only in traffic, never in bits:
+Six schedules compute that one expression; they differ only in traffic, never in bits:
 
+- "pull": one Mosaic GPU kernel (pallas_kernels/allreduce_mosaic.py) in which every device reads
+  each peer's partial over NVLink and adds the tree itself: one launch, no NCCL call, for
+  decode-sized payloads. Hopper GPUs in a single-process job only (`pull_runs_here`); an
+  explicit request elsewhere is a ValueError, never a silent fallback. Its kernel also takes the
+  partial as the tree matmul's leaf groups, adds a residual and skips padding rows
+  (`tree_allreduce_parts`), each with the bits of the same steps done apart.
 - "pairs": for d = 1, 2, 4, ... one `lax.psum` over the pairs {r, r ^ d} (`axis_index_groups`).
   A sum of two operands has one rounding whatever the collective does inside (NCCL ring or tree,
   XLA's one-shot kernel), and IEEE addition is commutative, so each level is exactly the tree's
@@ -40,6 +46,8 @@ Five schedules compute that one expression; they differ only in traffic, never i
 
 "auto" picks by the per-device byte size of `x` (a static shape, so one compiled program never
 switches), and since all schedules give the same bits the choice is invisible in the output.
+"xla_auto" is "auto" without "pull": the choice among the XLA-collective schedules (NCCL's on a
+GPU), for comparing the two.
 IEEE addition is commutative, so `a + b` and `b + a` are bitwise equal; writing the lower block on
 the left anyway keeps the code a literal transcription of the tree.
 """
@@ -54,6 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdet.plan import backend
+from pallas_kernels.combine import combine_tree
+
 # "auto" (benchmarks/tp_bench.py on H200s over NVLink; BENCHMARKS.md has the table): one
 # all-gather is fastest while the gathered n * bytes stays small (decode, and prefill up to ~4 MiB
 # per device at TP=4); above that, TP=2 is best served by one full swap ("exchange") and TP>=4 by
@@ -61,8 +72,13 @@ from jax import lax
 # follows the TP=4 rule.
 GATHER_MAX_BYTES_TP2 = 256 << 10  # per device
 GATHER_MAX_TOTAL_BYTES = 16 << 20  # n * per-device bytes, TP >= 4
+# "pull" where it runs, up to this many bytes of the reduced partial per device: a TP 2 decode
+# step of an 8B model (D = 4096, f32 partials) ran faster with it than with the NCCL schedules
+# up to 32 rows (benchmarks/tp_step_probe.py times the step, benchmarks/tp_bench.py the
+# all-reduce alone). TP >= 4 is unmeasured: the same rule.
+PULL_MAX_BYTES = 512 << 10
 
-ALGORITHMS = ("auto", "pairs", "gather", "exchange", "halving", "halving_ag")
+ALGORITHMS = ("auto", "xla_auto", "pull", "pairs", "gather", "exchange", "halving", "halving_ag")
 
 
 def _axis_size(axis_name: str) -> int:
@@ -150,27 +166,47 @@ def _halving(x: jax.Array, axis_name: str, n: int, *, nccl_gather: bool) -> jax.
     return buf.reshape(-1)[:size].reshape(shape)
 
 
-def auto_schedule(bytes_per_device: int, n: int) -> str:
-    """The schedule "auto" runs for n devices and a payload of this size (static, never data)."""
+def pull_runs_here() -> bool:
+    """Whether the "pull" kernel can run in this process: a Hopper GPU (Mosaic GPU), and one
+    process (its peers' buffers are reached over NVLink within one process's devices)."""
+    return backend().hopper and jax.process_count() == 1
+
+
+def auto_schedule(bytes_per_device: int, n: int, *, pull: bool | None = None) -> str:
+    """The schedule "auto" runs for n devices and a payload of this size (static, never data).
+    `pull`: whether "pull" can take this payload here (default `pull_runs_here()`; the caller
+    adds its shape check: `tree_allreduce` does). Never "pull" on a CPU."""
+    if pull is None:
+        pull = pull_runs_here()
+    if pull and bytes_per_device <= PULL_MAX_BYTES:
+        return "pull"
     if n == 2:
         return "gather" if bytes_per_device <= GATHER_MAX_BYTES_TP2 else "exchange"
     return "gather" if n * bytes_per_device <= GATHER_MAX_TOTAL_BYTES else "halving_ag"
 
 
-def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> jax.Array:
-    """Sum `x` over mesh axis `axis_name` in the fixed pairwise tree; call inside `shard_map`.
-
-    Every device returns the identical full sum. `x` should be f32 (the partials of a row-parallel
-    matmul); any float dtype works but then the adds round in that dtype.
-    """
+def _resolve(algorithm: str, n: int, nbytes: int, pull_why_not: Any) -> str:
+    """The schedule to run: `algorithm`, or auto's choice. `pull_why_not()`: why the pull kernel
+    cannot take these operands (None when it can)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    n = _axis_size(axis_name)
-    _check_pow2(n)
-    if n == 1:
-        return x
-    if algorithm == "auto":
-        algorithm = auto_schedule(x.size * x.dtype.itemsize, n)
+    if algorithm == "pull" and n > 1:  # (one device reduces nothing: any schedule will do)
+        if not pull_runs_here():
+            raise ValueError(
+                "tree all-reduce algorithm 'pull' is a Mosaic GPU kernel for Hopper GPUs in one "
+                f"process; this process runs {backend().kernels!r} kernels in "
+                f"{jax.process_count()} process(es). Use 'auto', which picks it where it runs"
+            )
+        if why := pull_why_not():
+            raise ValueError(f"tree all-reduce algorithm 'pull' cannot take this payload: {why}")
+        return algorithm
+    if algorithm in ("auto", "xla_auto"):
+        pull = algorithm == "auto" and pull_runs_here() and pull_why_not() is None
+        return auto_schedule(nbytes, n, pull=pull)
+    return algorithm
+
+
+def _collective(x: jax.Array, axis_name: str, n: int, algorithm: str) -> jax.Array:
     if algorithm == "pairs":
         return _pairs(x, axis_name, n)
     if algorithm == "gather":
@@ -178,6 +214,108 @@ def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> 
     if algorithm == "exchange":
         return _exchange(x, axis_name, n)
     return _halving(x, axis_name, n, nccl_gather=algorithm == "halving_ag")
+
+
+def _pull_why_not(shape: tuple, dtype: Any, n: int, residual: Any = None,
+                  live: int | None = None) -> str | None:  # fmt: skip
+    from pallas_kernels import allreduce_mosaic  # slow Mosaic GPU import: Hopper only
+
+    return allreduce_mosaic.unsupported(shape, dtype, n, residual, live)
+
+
+def _pull(parts: jax.Array, axis_name: str, n: int, **kw: Any) -> jax.Array:
+    from pallas_kernels import allreduce_mosaic  # slow Mosaic GPU import: Hopper only
+
+    return allreduce_mosaic.allreduce(parts, axis_name, n, **kw)
+
+
+def tree_allreduce(x: jax.Array, axis_name: str, *, algorithm: str = "auto") -> jax.Array:
+    """Sum `x` over mesh axis `axis_name` in the fixed pairwise tree; call inside `shard_map`.
+
+    Every device returns the identical full sum. `x` should be f32 (the partials of a row-parallel
+    matmul); any float dtype works but then the adds round in that dtype. "pull" takes x as one
+    leaf group of x.shape[0] rows (a flat row for a vector).
+    """
+    n = _axis_size(axis_name)
+    _check_pow2(n)
+    rows = x.shape[0] if x.ndim >= 2 and x.size else 1
+    parts_shape = (1, rows, x.size // rows)
+    algorithm = _resolve(algorithm, n, x.size * x.dtype.itemsize,
+                         lambda: _pull_why_not(parts_shape, x.dtype, n))  # fmt: skip
+    if n == 1:
+        return x
+    if algorithm == "pull":
+        return _pull(x.reshape(parts_shape), axis_name, n).reshape(x.shape)
+    return _collective(x, axis_name, n, algorithm)
+
+
+def tree_allreduce_parts(
+    parts: jax.Array,
+    axis_name: str,
+    *,
+    residual: jax.Array | None = None,
+    live_rows: int | None = None,
+    algorithm: str = "auto",
+) -> jax.Array:
+    """The row-parallel projection's combine: `tree_allreduce(combine_tree(list(parts)))`, plus
+    `residual` if given (`residual + sum.astype(residual.dtype)`), over rows [0, live_rows).
+
+    `parts` [G, R, C] (G a power of two) is this device's partial as leaf groups: the tree
+    matmul's group results (pallas_kernels/tree_matmul.py `tree_matmul_partial_parts`), added
+    by `combine_tree` first, so the groups of all devices form one pairwise tree. `residual`
+    [R, C]: the residual stream the projection is added to. `live_rows` (default R): the rows
+    to reduce; rows past them are padding (`Ops.row_pad`), returned as the residual's rows
+    (zeros without one), never sent. Returns [R, C] in the residual's dtype, else the parts'.
+    "pull" does all of it in one kernel with the same bits; the other schedules add the groups
+    and the residual in XLA around their collective.
+    """
+    if parts.ndim != 3:
+        raise ValueError(f"parts must be [groups, rows, cols], got shape {parts.shape}")
+    g, rows, cols = parts.shape
+    _check_pow2(g)
+    live = rows if live_rows is None else int(live_rows)
+    if not 0 < live <= rows:
+        raise ValueError(f"live_rows={live_rows} must be in 1..{rows} (the parts' rows)")
+    if residual is not None and residual.shape != (rows, cols):
+        raise ValueError(f"residual shape {residual.shape} != the parts' rows {(rows, cols)}")
+    n = _axis_size(axis_name)
+    _check_pow2(n)
+    res = None if residual is None else (residual.shape, residual.dtype)
+    algorithm = _resolve(algorithm, n, live * cols * parts.dtype.itemsize,
+                         lambda: _pull_why_not(parts.shape, parts.dtype, n, res, live))  # fmt: skip
+    if n > 1 and algorithm == "pull":
+        return _pull(parts, axis_name, n, residual=residual, live=live)
+    total = combine_tree([parts[i, :live] for i in range(g)])
+    if n > 1:
+        total = _collective(total, axis_name, n, algorithm)
+    return _add_residual(total, rows, residual)
+
+
+def psum_parts(
+    parts: jax.Array,
+    axis_name: str,
+    *,
+    residual: jax.Array | None = None,
+    live_rows: int | None = None,
+) -> jax.Array:
+    """`tree_allreduce_parts`' contract with `lax.psum` for the cross-device sum: XLA's (NCCL's)
+    order, not the tree, so not TP invariant ("batch" and "none" modes)."""
+    g, rows, _ = parts.shape
+    live = rows if live_rows is None else int(live_rows)
+    total = lax.psum(combine_tree([parts[i, :live] for i in range(g)]), axis_name)
+    return _add_residual(total, rows, residual)
+
+
+def _add_residual(total: jax.Array, rows: int, residual: jax.Array | None) -> jax.Array:
+    """[live, C] sums -> [rows, C]: plus the residual's first rows (added as XLA adds
+    `x + s.astype(x.dtype)`), then its padding rows; zeros there without a residual."""
+    live, cols = total.shape
+    if residual is None:
+        if live == rows:
+            return total
+        return jnp.concatenate([total, jnp.zeros((rows - live, cols), total.dtype)])
+    out = residual[:live] + total.astype(residual.dtype)
+    return out if live == rows else jnp.concatenate([out, residual[live:]])
 
 
 def _pairwise(parts: list) -> Any:

@@ -191,3 +191,34 @@ def test_decode_split_gives_at_least_half_the_sms_a_work_item(monkeypatch):
     assert s(64, 8192, 8)[0] == 4  # wider N: groups of 4 already give 128 items
     assert s(64, 28672, 8)[0] == 8  # 224 whole-tree items fill the SMs
     assert s(2048, 4096, 8) == (8, tree_mosaic.TREE_WIDE, False)  # prefill: the whole tree
+
+
+def test_partial_parts_off_hopper_are_the_partial_itself():
+    from pallas_kernels.tree_matmul import tree_matmul_partial_parts
+
+    a, b = _rand(20, (5, 256), jnp.float32), _rand(21, (256, 128), jnp.float32)
+    parts = tree_matmul_partial_parts(a[:, :128], b[:128], k_total=256, num_shards=2)
+    want = tree_matmul_partial(a[:, :128], b[:128], k_total=256, shard=0, num_shards=2)
+    assert parts.shape == (1, 5, 128) and np.array_equal(np.asarray(parts[0]), np.asarray(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gpu_partial_parts_combine_to_the_partial_bitwise(m):
+    """The leaf groups the Hopper kernel leaves a TP shard's subtree in (the all-reduce adds
+    them itself): combine_tree of them is tree_matmul_partial, at the decode sizes where they
+    are several groups (8B o_proj / down_proj shards at TP 2 and 4) and at a prefill size."""
+    from pallas_kernels.tree_matmul import tree_matmul_partial_parts
+
+    several = False
+    for k, n in ((4096, 4096), (14336, 4096)):
+        a, b = _rand(22, (m, k), jnp.bfloat16), _rand(23, (k, n), jnp.bfloat16)
+        for c in (2, 4):
+            ks = k // c
+            parts = tree_matmul_partial_parts(a[:, :ks], b[:ks], k_total=k, num_shards=c)
+            want = tree_matmul_partial(a[:, :ks], b[:ks], k_total=k, shard=0, num_shards=c)
+            assert parts.shape[1:] == (m, n)
+            got = combine_tree(list(parts))
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (k, c)
+            several |= parts.shape[0] > 1
+    assert several or m > 64, "no shard came in several groups: the fused add went untested"

@@ -51,3 +51,31 @@ def test_moe_negative_control_batch_mode_psum_changes_bits_between_tp_sizes():
     assert not np.array_equal(_scores("batch", 8), _scores("batch", 1)), (
         "batch mode (psum) happened to match TP=1 at TP=8"
     )
+
+
+def test_moe_under_tp_with_padded_rows_keeps_the_bits_and_sends_only_the_steps_rows(monkeypatch):
+    """The residual stream padded as on Hopper (Ops.row_pad, here to 16 rows): under TP the
+    FFN runs on the step's 11 rows (jdet/moe.py ffn_forward), so the experts' all-reduce sends
+    their 11 x 2 slots, not the padding's; the log-probs stay TP 1's."""
+    import sharding.tp
+    from jdet.ops import Ops
+
+    ref = _scores("tp", 1)
+    cfg, params = _model()
+    seen = []
+    reduce = sharding.tp.tree_allreduce_parts
+
+    def spy(parts, axis_name, **kw):
+        seen.append(parts.shape[1])
+        return reduce(parts, axis_name, **kw)
+
+    monkeypatch.setattr(sharding.tp, "tree_allreduce_parts", spy)
+    monkeypatch.setattr(Ops, "row_pad", lambda self, t: -(-t // 16) * 16 if self.pad_rows else t)
+    for name in ("make_tp_step", "make_tp_score"):  # uncached: traced with the padding
+        monkeypatch.setattr(sharding.tp, name, getattr(sharding.tp, name).__wrapped__)
+    for tp in (1, 2):
+        seen.clear()
+        got = tiny.run_score(cfg, params, tp, "tp", PROMPT_LENS)
+        assert np.array_equal(got, ref), f"TP={tp}"
+    # at TP 2: o_proj's 16 rows (11 reduced), the experts' 11 x 2 slots, never 16 x 2
+    assert 16 in seen and sum(PROMPT_LENS) * 2 in seen and 32 not in seen, seen

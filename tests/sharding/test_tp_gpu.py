@@ -68,3 +68,49 @@ def test_gpu_negative_control_batch_mode_psum_differs_between_tp_sizes():
         )
     ]
     assert differs, f"batch mode (psum) matched TP=1 at TP {tps[1:]} on this device and input"
+
+
+@pytest.mark.gpu
+def test_gpu_tp_engine_through_the_pull_all_reduce_gives_tp1_tokens(monkeypatch):
+    """jdet.LLM at TP 2 (and 4) in "tp" mode, whose row-parallel all-reduce "auto" makes the
+    one-launch pull kernel at these sizes (with the leaf groups, the residual add and the
+    padding rows it takes in the engine), generates TP 1's greedy tokens and log-probs and
+    scores them with TP 1's bits. The spy proves the kernel was traced at every TP > 1."""
+    import jdet
+    from jdet.loader import Model
+    from pallas_kernels import allreduce_mosaic
+
+    tps = _tps()
+    if len(tps) < 2:
+        pytest.skip("needs at least 2 GPUs")
+    monkeypatch.setenv("JDET_EXEC_CACHE", "0")  # trace every step: the spy must see them
+    calls: list[tuple] = []
+    kernel = allreduce_mosaic.allreduce
+
+    def spy(parts, axis_name, n, **kw):
+        calls.append((n, parts.shape, kw.get("live")))
+        return kernel(parts, axis_name, n, **kw)
+
+    monkeypatch.setattr(allreduce_mosaic, "allreduce", spy)
+    cfg, params = _gpu_model()
+    model = Model(cfg=cfg, params=params)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 5)]
+    sp = jdet.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = None
+    for tp in tps[:3]:  # 1, 2, 4
+        llm = jdet.LLM(model, tp=tp, invariance="tp", max_num_batched_tokens=64, num_pages=64,
+                       max_model_len=256)  # fmt: skip
+        outs = llm.generate(prompts, sp)
+        scores = llm.score([p + o.token_ids for p, o in zip(prompts, outs, strict=True)])
+        got = ([o.token_ids for o in outs], [np.asarray(o.logprobs) for o in outs], scores)
+        del llm
+        if ref is None:
+            ref = got
+            assert not calls, "TP 1 has no all-reduce to run"
+            continue
+        assert got[0] == ref[0], f"TP={tp} tokens"
+        assert all(np.array_equal(a, b) for a, b in zip(got[1], ref[1], strict=True)), tp
+        assert all(np.array_equal(a, b) for a, b in zip(got[2], ref[2], strict=True)), tp
+        assert any(c[0] == tp for c in calls), f"TP={tp} never ran the pull all-reduce: {calls}"
+        assert any(live is not None and live < shape[1] for _, shape, live in calls), calls

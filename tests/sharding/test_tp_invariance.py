@@ -79,3 +79,41 @@ def test_negative_control_batch_mode_psum_changes_bits_between_tp_sizes():
     # TP=8 first (the most different reduction order); smaller sizes only if it happens to agree
     differs = next((tp for tp in (8, 4, 2) if not np.array_equal(_scores("batch", tp), ref)), None)
     assert differs, "batch mode (psum) happened to match TP=1 at every TP size on these inputs"
+
+
+def test_padding_rows_under_tp_are_not_reduced_and_change_no_bit(monkeypatch):
+    """The residual stream padded as on Hopper (Ops.row_pad, here to 16 rows off Hopper too):
+    under TP the all-reduce then sums only the step's real rows and adds the residual itself
+    (Ops.add_row_matmul, tree_allreduce_parts' live_rows). Greedy tokens and log-probs at TP
+    1, 2, 4 equal the unpadded TP 1's; the all-reduce did see padding rows it skipped."""
+    import sharding.tp
+    from jdet.ops import Ops as _Ops
+
+    cfg, params = _model()
+    ref_tokens, ref_lp = tiny.run_greedy(cfg, params, 1, "tp", PROMPT_LENS, DECODE_STEPS)
+    seen = []
+    reduce = sharding.tp.tree_allreduce_parts
+
+    def spy(parts, axis_name, **kw):
+        seen.append((parts.shape[1], kw.get("live_rows")))
+        return reduce(parts, axis_name, **kw)
+
+    monkeypatch.setattr(sharding.tp, "tree_allreduce_parts", spy)
+    monkeypatch.setattr(_Ops, "row_pad", lambda self, t: -(-t // 16) * 16 if self.pad_rows else t)
+    monkeypatch.setattr(tiny, "make_tp_step", sharding.tp.make_tp_step.__wrapped__)  # no cache
+    for tp in (1, 2, 4):
+        tokens, lp = tiny.run_greedy(cfg, params, tp, "tp", PROMPT_LENS, DECODE_STEPS)
+        assert np.array_equal(tokens, ref_tokens) and np.array_equal(lp, ref_lp), f"TP={tp}"
+    assert any(live is not None and live < rows for rows, live in seen), seen
+
+
+def test_tp_ops_pad_rows_in_tp_mode_and_refuse_an_unknown_allreduce():
+    """Under TP the residual stream is padded in "tp" only (its all-reduce skips the padding
+    rows; psum would send them), and a schedule name is checked where the Ops are made."""
+    from sharding.tp import make_tp_ops
+
+    assert make_tp_ops("tp", 1).pad_rows and make_tp_ops("tp", 2).pad_rows
+    assert not make_tp_ops("batch", 2).pad_rows and not make_tp_ops("none", 4).pad_rows
+    assert make_tp_ops("tp", 2, allreduce="xla_auto").row_reduce.keywords["algorithm"] == "xla_auto"
+    with pytest.raises(ValueError, match="allreduce must be one of"):
+        make_tp_ops("tp", 2, allreduce="nccl")

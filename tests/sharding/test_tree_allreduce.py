@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import shard_map
-from sharding.tree_allreduce import auto_schedule, tree_allreduce, tree_sum_reference
+from sharding.tree_allreduce import (
+    PULL_MAX_BYTES,
+    auto_schedule,
+    psum_parts,
+    pull_runs_here,
+    tree_allreduce,
+    tree_allreduce_parts,
+    tree_sum_reference,
+)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 
@@ -112,3 +121,133 @@ def test_auto_schedule_for_large_payloads_keeps_the_tree_bits(n, rows, expected)
     out = _run(lambda a: tree_allreduce(a, "tp"), x)
     ref = tree_sum_reference(list(x))
     assert all(np.array_equal(out[r], ref) for r in range(n))
+
+
+# -- "pull" (one Mosaic GPU kernel, Hopper only) and the row-parallel contract ------------------
+def test_auto_never_picks_pull_off_a_hopper_gpu():
+    assert not pull_runs_here()  # a CPU process
+    for n in (2, 4, 8):
+        for nbytes in (4, 16 << 10, PULL_MAX_BYTES, 4 << 20):
+            assert auto_schedule(nbytes, n) != "pull"
+    # where it runs, auto takes it for decode-sized payloads only
+    assert auto_schedule(PULL_MAX_BYTES, 2, pull=True) == "pull"
+    assert auto_schedule(PULL_MAX_BYTES + 4, 2, pull=True) == "exchange"
+    assert auto_schedule(PULL_MAX_BYTES + 4, 4, pull=True) == "gather"
+
+
+@pytest.mark.parametrize("call", ["tree_allreduce", "tree_allreduce_parts"])
+def test_explicit_pull_off_a_hopper_gpu_is_refused_by_name(call):
+    x = _spread(np.random.default_rng(0), (2, 16, 256))
+    if call == "tree_allreduce":
+        op = lambda a: tree_allreduce(a, "tp", algorithm="pull")  # noqa: E731
+    else:
+        op = lambda a: tree_allreduce_parts(a[None], "tp", algorithm="pull")  # noqa: E731
+    with pytest.raises(ValueError, match="'pull' is a Mosaic GPU kernel for Hopper GPUs"):
+        _run(op, x)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("algorithm", ["auto", "xla_auto", "exchange", "halving_ag"])
+def test_parts_residual_and_padding_rows_keep_the_tree_bits(n, algorithm):
+    """tree_allreduce_parts = the pull kernel's reference (allreduce_mosaic.reference): the
+    groups of every device summed as one tree, the residual added as XLA adds it (bf16), rows
+    past live_rows the residual's. The GPU tests hold the pull kernel to the same reference."""
+    from pallas_kernels.allreduce_mosaic import reference
+
+    rng = np.random.default_rng(n)
+    rows, live, cols = 8, 5, 256
+    for groups in (1, 2, 4):
+        parts = _spread(rng, (n, groups, rows, cols))
+        res = _spread(rng, (rows, cols)).astype(jnp.bfloat16)
+        got = _run_parts(parts, res, live, algorithm)
+        want = reference(list(parts), res, live)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        for r in range(n):
+            assert np.array_equal(got[r], want), f"device {r}, {groups} groups"
+        plain = _run_parts(parts, None, None, algorithm)  # no residual, every row: f32
+        assert all(np.array_equal(plain[r], reference(list(parts))) for r in range(n))
+    # the reference is the plain tree: its groups, then the devices
+    assert np.array_equal(reference(list(parts)), tree_sum_reference([_tree(p) for p in parts]))
+
+
+def _tree(groups: np.ndarray) -> np.ndarray:
+    return tree_sum_reference(list(groups))
+
+
+def _run_parts(parts: np.ndarray, res, live, algorithm: str) -> np.ndarray:
+    n = parts.shape[0]
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+
+    def body(p):
+        residual = None if res is None else jnp.asarray(res)
+        return tree_allreduce_parts(p[0], "tp", residual=residual, live_rows=live,
+                                    algorithm=algorithm)[None]  # fmt: skip
+
+    f = shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    return np.asarray(jax.jit(f)(parts))
+
+
+def test_psum_parts_has_the_same_contract():
+    rng = np.random.default_rng(5)
+    parts = _spread(rng, (2, 1, 8, 256))
+    res = _spread(rng, (8, 256)).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    f = shard_map(lambda p: psum_parts(p[0], "tp", residual=jnp.asarray(res), live_rows=5)[None],
+                  mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))  # fmt: skip
+    got = np.asarray(jax.jit(f)(parts))
+    want = np.concatenate([res[:5] + (parts[0, 0, :5] + parts[1, 0, :5]).astype(res.dtype),
+                           res[5:]])  # fmt: skip
+    assert np.array_equal(got[0], want) and np.array_equal(got[1], want)
+
+
+def test_the_pull_split_tiles_every_supported_range_exactly():
+    from pallas_kernels.allreduce_mosaic import MAX_BLOCKS, MAX_TILE_UNITS, UNIT, split
+
+    for units in range(1, 4097):
+        s = split(units)
+        if s is None:
+            continue
+        blocks, tile = s
+        assert blocks * tile == units and blocks <= MAX_BLOCKS and tile <= MAX_TILE_UNITS
+    for d in (1024, 4096, 8192):  # every decode size up to 64 rows of a model dimension fits
+        for t in range(1, 65):
+            assert split(t * d // UNIT) is not None, (t, d)
+    assert split(16) == (16, 1)  # one 4096-wide row: 16 CTAs, not 2
+    assert split(256) == (32, 8)
+
+
+def test_the_pull_kernel_names_what_it_cannot_take():
+    from pallas_kernels.allreduce_mosaic import unsupported
+
+    assert unsupported((2, 64, 4096), jnp.float32, 2, ((64, 4096), jnp.bfloat16), 16) is None
+    assert "power of two" in unsupported((3, 64, 4096), jnp.float32, 2)
+    assert "power-of-two" in unsupported((1, 64, 4096), jnp.float32, 3)
+    assert "float32, bfloat16 or float16" in unsupported((1, 64, 4096), jnp.int32, 2)
+    assert "live rows" in unsupported((1, 64, 4096), jnp.float32, 2, None, 65)
+    assert "whole 256s" in unsupported((1, 3, 40), jnp.float32, 2)
+    assert "use an NCCL schedule" in unsupported((1, 4096, 8192), jnp.float32, 2)
+
+
+@pytest.mark.parametrize(("n", "groups", "rows", "live", "res"), [
+    (2, 1, 16, 16, None), (2, 2, 64, 16, jnp.bfloat16), (2, 2, 64, 1, jnp.bfloat16),
+    (4, 2, 64, 32, jnp.bfloat16), (8, 1, 64, 64, None), (2, 1, 128, 106, jnp.float32),
+])  # fmt: skip
+def test_the_pull_kernel_lowers_for_cuda_on_a_cpu(n, groups, rows, live, res):
+    """The Mosaic GPU lowering (layouts, remote refs, semaphores) runs in CI, without a GPU:
+    what only compiles on a device is the PTX. One custom call, using XLA's collective
+    metadata (the peers' addresses)."""
+    from pallas_kernels.allreduce_mosaic import allreduce
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    cols = 4096
+
+    def body(p, *r):
+        return allreduce(p[0], "tp", n, residual=r[0][0] if r else None, live=live)[None]
+
+    args = [jax.ShapeDtypeStruct((n, groups, rows, cols), jnp.float32)]
+    if res is not None:
+        args.append(jax.ShapeDtypeStruct((n, rows, cols), res))
+    f = shard_map(body, mesh=mesh, in_specs=tuple(P("tp") for _ in args), out_specs=P("tp"))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and "uses_xla_collective_metadata = true" in calls[0]
