@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.combine import combine_tree
@@ -58,22 +59,28 @@ def test_row_bits_do_not_depend_on_rows_per_group(backend, fn):
 
 
 def _split_by_group_size(xs, w, tiles, backend=None):
-    """Negative control: K split into 8 f32 partial sums when the row's group has >= 16 rows,
-    one dot otherwise (a kernel that picks split-K from the tokens per expert)."""
+    """Negative control: K split into 8 f32 partial sums when the row's group fills more than
+    one tile, one dot otherwise (a kernel that picks split-K from the tokens per expert)."""
     del backend
     g = jnp.repeat(tiles.tile_group, tiles.block_m)
     wg = w[jnp.maximum(g, 0)]
-    many = (tiles.group_sizes[jnp.maximum(g, 0)] >= 16)[:, None]
+    many = (tiles.group_sizes[jnp.maximum(g, 0)] > tiles.block_m)[:, None]
     whole = jnp.einsum("pk,pkn->pn", xs, wg, preferred_element_type=jnp.float32)
     parts = jnp.einsum("pck,pckn->pcn", xs.reshape(xs.shape[0], 8, -1),
-                       wg.reshape(wg.shape[0], 8, -1, wg.shape[-1]))  # fmt: skip
-    # summed last part first: on an H200 a first-to-last sum of these parts had `whole`'s bits
-    # exactly (XLA's GEMM for this small-M, large-K product presumably splits K the same way),
-    # and the control did not fail
-    split = parts[:, 7]
-    for c in range(6, -1, -1):
-        split = split + parts[:, c]
-    return jnp.where(many, split, whole)
+                       wg.reshape(wg.shape[0], 8, -1, wg.shape[-1]),
+                       preferred_element_type=jnp.float32)  # fmt: skip
+    return jnp.where(many, _ordered_sum(parts, axis=1), whole)
+
+
+def _ordered_sum(parts, axis: int):
+    """The partial products summed last to first, behind an optimization barrier: XLA may not
+    fold the partial dots and their sum back into one dot."""
+    parts = lax.optimization_barrier(parts)
+    n = parts.shape[axis]
+    total = lax.index_in_dim(parts, n - 1, axis, keepdims=False)
+    for c in range(n - 2, -1, -1):
+        total = total + lax.index_in_dim(parts, c, axis, keepdims=False)
+    return total
 
 
 def test_negative_control_split_by_rows_per_group_changes_row_bits():
@@ -172,8 +179,10 @@ def test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(fn)
 
 def _split_by_group_size_per_tile(xs, w, tiles, backend=None):
     """`_split_by_group_size` per tile instead of per row (the weights gathered once a tile, so
-    model shapes fit a GPU): K in 8 f32 partial sums, added last to first, when the tile's group
-    has >= 16 rows."""
+    model shapes fit a GPU): K in 8 f32 partial sums, added last to first behind an
+    optimization barrier, when the tile's group fills more than one tile. (A group's slots are
+    its rows padded to whole tiles, so a lone row's group has block_m of them: a threshold
+    below block_m would split the lone probes too, and alone and crowd would agree.)"""
     del backend
     t, bm = tiles.tile_group.shape[0], tiles.block_m
     g = jnp.maximum(tiles.tile_group, 0)
@@ -182,14 +191,8 @@ def _split_by_group_size_per_tile(xs, w, tiles, backend=None):
     parts = jnp.einsum("tmck,tckn->tcmn", xt.reshape(t, bm, 8, -1),
                        wt.reshape(t, 8, -1, wt.shape[-1]),
                        preferred_element_type=jnp.float32)  # fmt: skip
-    # summed last part first: on an H200 a first-to-last sum of these parts had `whole`'s bits
-    # exactly (XLA's GEMM for this small-M, large-K product presumably splits K the same way),
-    # and the control did not fail
-    split = parts[:, 7]
-    for c in range(6, -1, -1):
-        split = split + parts[:, c]
-    many = (tiles.group_sizes[g] >= 16)[:, None, None]
-    return jnp.where(many, split, whole).reshape(t * bm, -1)
+    many = (tiles.group_sizes[g] > bm)[:, None, None]
+    return jnp.where(many, _ordered_sum(parts, axis=1), whole).reshape(t * bm, -1)
 
 
 @pytest.mark.gpu
