@@ -240,6 +240,43 @@ def test_rows_read_their_token_and_rows_left_out_are_zero(backend):
         gm.grouped_matmul(tokens[:10], W, tiles, per_src=k, backend=backend)
 
 
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_grouped_kernels_lower_to_triton_at_model_shapes(monkeypatch, tokens):
+    """The Pallas Triton lowering (what rejects a bad block shape, index or mask; no ptxas) of
+    the gate|up pair, the down tree and a BIO down at another pipeline depth, at Qwen3-30B-A3B's
+    expert shapes over a 2-layer stack, exported for 'cuda' on the CPU: one token's rows in
+    `row_tiles`, 64 tokens' in `group_tiles` (tests/pallas_kernels/triton_export.py's way)."""
+    from jax import export
+
+    from pallas_kernels import _platform
+    from pallas_kernels.tree_matmul import tree_plan
+
+    monkeypatch.setattr(_platform, "interpret_default", lambda: False)
+    g, d, f, bf = 128, 2048, 1024, jnp.bfloat16
+
+    def moe(h, wg, wu, wd, ids, layer):
+        tiles = (gl.row_tiles if tokens == 1 else gl.group_tiles)(ids, g, 64)
+        lay = (tiles.tile_group, tiles.slot_row, tiles.row_slot)
+        gate, up = gm._grouped_pallas(h, (wg, wu), layer, *lay, per_src=8, leaf_k=d,
+                                      num_leaves=1, out_dtype=jnp.dtype(bf), live_n=768)
+        act = (gate.astype(jnp.float32) * up).astype(bf)
+        p = tree_plan(f, bf)
+        (tree,) = gm._grouped_pallas(act, (wd,), layer, *lay, per_src=1, leaf_k=p.leaf_k,
+                                     num_leaves=p.num_leaves, out_dtype=jnp.dtype(jnp.float32),
+                                     live_k=768)
+        (bio,) = gm._grouped_pallas(act, (wd,), layer, *lay, per_src=1, leaf_k=f, num_leaves=1,
+                                    out_dtype=jnp.dtype(jnp.float32), live_k=768, num_stages=4)
+        return tree + bio
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((64, d), bf), sd((2, g, d, f), bf), sd((2, g, d, f), bf), sd((2, g, f, d), bf),
+            sd((tokens * 8,), jnp.int32), sd((1,), jnp.int32))  # fmt: skip
+    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    text = export.export(jax.jit(moe), platforms=["cuda"], disabled_checks=[check])(*args)
+    calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
+    assert len(calls) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fn", [gm.grouped_matmul, gm.grouped_tree_matmul], ids=["bio", "tree"])
 def test_gpu_kernel_row_bits_do_not_depend_on_rows_per_group_at_model_shapes(fn):
