@@ -229,10 +229,11 @@ def hidden_states(
         )
         return (x, h, kv), None
 
-    # Not a mixture of experts in "none": XLA rewrites its `ragged_dot` into a dense dot over
-    # every expert, whose operands (the layer's [E, D, F] weights as arrays, the rows masked per
-    # expert) unrolled layers could all hold at once; a loop holds one layer's.
-    if _unroll(layers, L, ops) and not in_place and (ops.invariant or not ffn):
+    # Not a mixture of experts whose experts run `ragged_dot` (Ops.ragged_experts): XLA on a GPU
+    # rewrites it into a dense dot over every expert, whose operands (the layer's [E, D, F]
+    # weights as arrays, the rows masked per expert) unrolled layers could all hold at once; a
+    # loop holds one layer's. The grouped kernels read the experts in place and unroll.
+    if _unroll(layers, L, ops) and not in_place and not (ffn and ops.ragged_experts):
 
         @jax.jit
         def one_layer(layer: jax.Array, x: jax.Array, h: Any, kv: dict) -> tuple:

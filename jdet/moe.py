@@ -11,18 +11,20 @@ Per token t of h[T, D] (the post-attention norm's output), every step alike:
    their halving-tree sum (Mixtral always; Qwen3-MoE as its config says). Qwen3-MoE rounds the
    weights to the model's dtype, as transformers does; Mixtral keeps them f32;
 4. the T*k (token, slot) rows (row t*k + j: token t's j-th choice) are laid out by expert
-   (pallas_kernels/grouped_matmul.py `group_tiles`) and run through the grouped matmul, whose
+   (pallas_kernels/grouped_matmul.py `layout`) and run through the grouped matmul, whose
    reduction plan is fixed by the weight shapes (a row's bits do not depend on how many rows its
-   expert serves): gate and up (`Ops.grouped_matmul`, BIO), SwiGLU, down (`Ops.grouped_row_matmul`:
-   the TBIK tree in "tp", whose leaves a TP shard of the experts' F holds and the tree all-reduce
-   finishes, per (token, slot) row), rounded to the model's dtype. The step's padding rows
-   (slot -1, and the rows past T) are left out of the layout: they take no tile and read no
-   expert;
+   expert serves): gate and up (`Ops.grouped_gate_up`, BIO, reading each row's token from h),
+   SwiGLU, down (`Ops.grouped_row_matmul`: the TBIK tree in "tp", whose leaves a TP shard of the
+   experts' F holds and the tree all-reduce finishes, per (token, slot) row), rounded to the
+   model's dtype. Only the step's T tokens have rows: the rows the residual stream carries past
+   T (`Ops.row_pad`) get a zero FFN output without entering the layout, and the padding tokens
+   within T (slot -1) are left out of it: neither takes a tile or reads an expert;
 5. out[t] = sum over slots j = 0..k-1, in that order (the tie-broken top-k order, never the order
    rows arrived at an expert), of w[t, j] * y[t, j] in f32, rounded once. Each product is formed
    from exact partial products (`_exact_product`), so an FMA contraction XLA's CPU backend may
    make (pallas_kernels/xla_fixed.py, "FMA contraction") cannot change a bit.
-"none" runs the same routing and `lax.ragged_dot` for the experts (XLA's own order).
+"none" runs the same routing and the same grouped kernels on a GPU (BIO for the down projection),
+`lax.ragged_dot` elsewhere (XLA's own order), and combines with plain products.
 
 Mixed dense and sparse layers (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`): the
 model's one layer loop stays one loop. The dense MLP weights are stacked over the dense layers and
@@ -86,34 +88,34 @@ def combine_slots(w: jax.Array, y: jax.Array, out_dtype: Any, invariant: bool) -
 
 def moe_block(
     lp: dict, h: jax.Array, cfg: ModelConfig, ops: Ops, real: jax.Array | None = None,
-    layer: jax.Array | None = None,
+    layer: jax.Array | None = None, tokens: int | None = None,
 ) -> jax.Array:  # fmt: skip
-    """The expert FFN of h[T, D] (module docstring) with one layer's weights `lp`: router [D, E],
+    """The expert FFN of h[T', D] (module docstring) with one layer's weights `lp`: router [D, E],
     expert_gate/expert_up [E, D, F], expert_down [E, F, D] (F: this device's shard); with
     `layer`, `lp` holds the stacks of the sparse layers ([L', ...]) and the kernels read that
     entry in place: an expert stack's entry as an array would be a copy of every expert
-    (pallas_kernels/grouped_matmul.py, "Stacked weights"). `real` (bool [T]): the step's real
-    rows; the others (bucket padding) take no expert tile and give zeros, so a padded decode
-    step still reads only its tokens' experts."""
+    (pallas_kernels/grouped_matmul.py, "Stacked weights"). `tokens` (static, default T'): the
+    step's tokens, the first rows of h; the rows past them (the residual stream's CTA padding)
+    get zeros. `real` (bool [tokens]): the step's real tokens; the others (bucket padding) take
+    no expert tile and give zeros, so a padded decode step still reads only its tokens'
+    experts."""
     t, d = h.shape
+    n = t if tokens is None else tokens
     k = cfg.num_experts_per_tok
     router = lp["router"] if layer is None else _at(lp["router"], layer)  # [D, E]: small
-    logits = ops.matmul(h, router, out_dtype=jnp.float32)
-    w, ids = route(logits, k, cfg.norm_topk_prob)
+    logits = ops.matmul(h, router, out_dtype=jnp.float32)  # all T' rows: the matmul's own shape
+    w, ids = route(logits[:n], k, cfg.norm_topk_prob)
     if cfg.moe == "qwen3_moe":  # transformers rounds Qwen3-MoE's weights to the model dtype
         w = w.astype(h.dtype).astype(jnp.float32)
     if real is not None:  # id E: left out of the grouped layout
         ids = jnp.where(real[:, None], ids, cfg.num_experts)
     tiles = ops.grouped_tiles(ids.reshape(-1), cfg.num_experts)
-    # each slot's token: slot_row // k (the empty slots' sentinel T*k maps to the zero row T)
-    hz = jnp.concatenate([h, jnp.zeros((1, d), h.dtype)])
-    xs = hz[tiles.slot_row // k]
     live = cfg.moe_intermediate_size  # past it the plan's padding: zeros
-    gate = ops.grouped_matmul(xs, lp["expert_gate"], tiles, live, layer)
-    up = ops.grouped_matmul(xs, lp["expert_up"], tiles, live, layer)
-    act = swiglu_act(gate, up, h.dtype)
-    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles, live, layer)  # [T*k, D], row order
-    return combine_slots(w, y.reshape(t, k, d), h.dtype, ops.invariant)
+    gate, up = ops.grouped_gate_up(h, lp["expert_gate"], lp["expert_up"], tiles, k, live, layer)
+    act = swiglu_act(gate, up, h.dtype)  # [n*k, F], row order
+    y = ops.grouped_row_matmul(act, lp["expert_down"], tiles, live, layer)  # [n*k, D]
+    out = combine_slots(w, y.reshape(n, k, d), h.dtype, ops.invariant)
+    return out if n == t else jnp.pad(out, ((0, t - n), (0, 0)))
 
 
 def pop_ffn(layers: dict, cfg: ModelConfig) -> dict:
@@ -154,7 +156,7 @@ def ffn_forward(
 ) -> jax.Array:  # fmt: skip
     """Layer `layer`'s FFN of a mixture-of-experts model on h[T', D] (`pop_ffn`'s stacks).
     `slot_mapping` [T <= T']: the step's K/V slots, -1 on padding rows (jdet/batch.py), which
-    with the rows past T skip the experts (`moe_block`'s `real`)."""
+    with the rows past T skip the experts (`moe_block`'s `real` and `tokens`)."""
     t = h.shape[0] if slot_mapping is None else slot_mapping.shape[0]
     if ops.row_shards > 1 and t < h.shape[0]:
         # Under TP only the step's rows: the FFN's all-reduce would send `Ops.row_pad`'s
@@ -163,13 +165,12 @@ def ffn_forward(
         return jnp.pad(out, ((0, h.shape[0] - t), (0, 0)))
     sparse = {n: ffn[n] for n in SPARSE_FFN}
     dense = {n: ffn[n] for n in DENSE_FFN if n in ffn}
-    real = None
-    if slot_mapping is not None:
-        real = jnp.pad(slot_mapping >= 0, (0, h.shape[0] - slot_mapping.shape[0]))
+    real = None if slot_mapping is None else slot_mapping >= 0
+    tokens = None if slot_mapping is None else slot_mapping.shape[0]
 
     def run_sparse(h: jax.Array) -> jax.Array:
         i = jnp.asarray(_local_index(cfg.sparse_layers, cfg.num_layers))[layer]
-        return moe_block(sparse, h, cfg, ops, real, layer=i)
+        return moe_block(sparse, h, cfg, ops, real, layer=i, tokens=tokens)
 
     if not cfg.dense_layers:
         return run_sparse(h)

@@ -4,8 +4,8 @@ Why: the model is written once; `invariance` decides which implementation every 
   "none"  — the fastest non-invariant path: XLA/cuBLAS matmuls and norms, and on a GPU the
             Pallas paged-attention kernel with a KV split chosen from the step's shapes (more,
             shorter partitions when few sequences decode, so a batch-1 step fills the GPU); off a
-            GPU, XLA's gather attention (`paged_attention_xla`). Not invariant: the matmuls' and
-            the split's reduction orders follow the batch.
+            GPU, XLA's gather attention (`paged_attention_xla`); experts: `ragged_experts`. Not
+            invariant: the matmuls' and the split's reduction orders follow the batch.
   "batch" — Pallas kernels whose reduction order depends on model shapes only (BIO matmul
             everywhere, paged attention with fixed KV partitions, invariant RMSNorm/log_softmax).
   "tp"    — as "batch", and the row-parallel projections (o_proj, down_proj) use the tree-reduce
@@ -223,45 +223,53 @@ class Ops:
         return x + self.row_matmul(a, w)
 
     # -- mixture-of-experts: the grouped matmul (pallas_kernels/grouped_matmul.py) ---------------
+    @property
+    def ragged_experts(self) -> bool:
+        """Whether the experts run XLA's `lax.ragged_dot` (differentiable; a dense dot over every
+        expert on a GPU): "none" off a GPU. "none" on a GPU runs the invariant modes' grouped
+        Pallas kernels, the fastest we have (they read only the chosen experts, in place)."""
+        return not self.invariant and not backend().gpu
+
     def grouped_tiles(self, ids: jax.Array, num_groups: int) -> Any:
         """The grouped layout of rows with group (expert) `ids` [R], in the kernel's tiles."""
-        return gm.group_tiles(ids, num_groups, gm.tile_rows() if self.invariant else 8)
+        # ragged_dot's is the CPU path's: sorted (each expert's slots contiguous), 8-row tiles
+        return gm.layout(ids, num_groups, "xla" if self.ragged_experts else None)
 
-    def grouped_matmul(
-        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None, layer: Any = None
-    ) -> jax.Array:
-        """Column-parallel grouped projection xs[P, in] @ w[group][in, out] -> [P, out]: BIO in
-        the invariant modes, XLA's `ragged_dot` in "none". `live`: the true width of w's out
-        dimension when `pad_params` padded it with zeros; on one shard the GPU kernel then skips
-        the zero blocks (the same bits). `layer`: w is the stack of every layer [L, G, in, out],
-        read at that layer in place (pallas_kernels/grouped_matmul.py says why)."""
-        if self.invariant:
-            live_n = live if self.row_shards == 1 and live and live < w.shape[-1] else None
-            return gm.grouped_matmul(xs, w, tiles, live_n=live_n, layer=layer)
-        return gm.grouped_matmul_xla(xs, w, tiles, layer=layer)
+    def grouped_gate_up(
+        self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, tiles: Any, per_src: int,
+        live: int | None = None, layer: Any = None,
+    ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+        """The experts' column-parallel gate and up projections of the layout's rows (row r:
+        x[r // per_src]) -> two [R, out] in row order: BIO, one launch on a GPU. `live`: the out
+        width before `pad_params`' zero padding (on one shard the GPU kernel skips the zero
+        blocks: the same bits). `layer`: stacks [L, G, in, out], read at that layer in place."""
+        if self.ragged_experts:
+            return tuple(gm.grouped_matmul_xla(x, w, tiles, per_src=per_src, layer=layer)
+                         for w in (w_gate, w_up))  # fmt: skip
+        live_n = live if self.row_shards == 1 and live and live < w_gate.shape[-1] else None
+        return gm.grouped_matmul_pair(x, w_gate, w_up, tiles, per_src=per_src, live_n=live_n,
+                                      layer=layer)  # fmt: skip
 
     def grouped_row_matmul(
-        self, xs: jax.Array, w: jax.Array, tiles: Any, live: int | None = None, layer: Any = None
+        self, x: jax.Array, w: jax.Array, tiles: Any, live: int | None = None, layer: Any = None
     ) -> jax.Array:
-        """Row-parallel grouped projection (the experts' down_proj), back in row order [R, out]
-        in xs's dtype: the tree in "tp"; under TP each device's f32 partial (its subtree in
-        "tp") is combined across devices per row by `row_reduce` before the cast. `live`: as
-        `grouped_matmul`'s, for w's in dimension; `layer` as `grouped_matmul`'s."""
+        """The experts' row-parallel down_proj of the layout's rows x[R, in] -> [R, out] (row
+        order, x's dtype): the tree in "tp"; under TP each device's f32 partial (its subtree in
+        "tp") is combined per row by `row_reduce` before the cast. `live`, `layer`: as above."""
         f32 = jnp.float32
         n = self.row_shards
         live_k = live if n == 1 and live and live < w.shape[-2] else None
         if self.invariance == "tp":
             k_total = w.shape[-2] * n
-            part = gm.grouped_tree_partial(xs, w, tiles, k_total=k_total, num_shards=n,
+            part = gm.grouped_tree_partial(x, w, tiles, k_total=k_total, num_shards=n,
                                            live_k=live_k, layer=layer)  # fmt: skip
-        elif self.invariance == "batch":
-            part = gm.grouped_matmul(xs, w, tiles, f32, layer=layer)
-        else:
-            part = gm.grouped_matmul_xla(xs, w, tiles, f32, layer=layer)
-        part = gm.scatter_rows(part, tiles)
+        elif self.ragged_experts:
+            part = gm.grouped_matmul_xla(x, w, tiles, f32, layer=layer)
+        else:  # "batch", and "none" on a GPU: K in one sequential leaf
+            part = gm.grouped_matmul(x, w, tiles, f32, live_k=live_k, layer=layer)
         if self.row_reduce is not None:
             part = self.row_reduce(part[None])
-        return part.astype(xs.dtype)
+        return part.astype(x.dtype)
 
     def residual_norm(
         self, x: jax.Array, a: jax.Array, w: jax.Array, norm_w: jax.Array, eps: float,

@@ -114,8 +114,13 @@ def _engine_values(cfg: ModelConfig, invariance: str, tp: int, page_size: int) -
 
 
 class _XlaOps(Ops):
-    """The "none" ops with XLA's gather attention on every platform: on a GPU the "none" mode's
-    attention is a Pallas kernel (jdet/ops.py), which has no autodiff rule; this one does."""
+    """The "none" ops with XLA's gather attention and `ragged_dot` experts on every platform: on
+    a GPU the "none" mode's attention and grouped matmuls are Pallas kernels (jdet/ops.py),
+    which have no autodiff rule; these do."""
+
+    @property
+    def ragged_experts(self) -> bool:
+        return True
 
     def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> None:
         return None

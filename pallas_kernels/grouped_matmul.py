@@ -1,9 +1,9 @@
-"""Grouped (ragged) matmul: out[r] = x[r] @ w[group[r]], batch invariant per row.
+"""Grouped (ragged) matmul: out[r] = x[r // per_src] @ w[group[r]], batch invariant per row.
 
-The rows of one step (e.g. a mixture-of-experts layer's (token, slot) rows, grouped by expert)
-are laid out by `group_tiles`: sorted by (group, row) and each group's rows padded to a multiple
-of `block_m`, so every tile of block_m rows belongs to one group. Every tile is then one product
-of the [block_m, K] rows with its group's weight w[g] [K, N], by the plan of the invariant matmul:
+The R rows of one step (a mixture-of-experts layer's (token, slot) rows, row t*k + j reading
+token t: `per_src` = k) are laid out in tiles of block_m slots, each tile's rows of one group
+(pallas_kernels/grouped_layout.py; `layout` picks the kernel's). Every tile is one product of
+its [block_m, K] rows with its group's weight w[g] [K, N], by the plan of the invariant matmul:
 
 Reduction plan. K is cut into the leaves of `tree_plan(K_total, dtype)` (BIO: one leaf of the
 whole K); each leaf is reduced in a fixed order into an f32 accumulator and the leaves are
@@ -19,12 +19,27 @@ Every parameter is a function of (K, N, dtype) only. Which tile a row lands in, 
 the tile and the other rows of the tile change none of its arithmetic (the rows of a dot are
 independent, which the BIO matmul relies on too); the number of rows of its group only decides
 how many tiles run. So row r's bits are the same whether its group serves 1 row or 500, and
-whatever the other groups hold. A TP shard of K (`grouped_tree_partial`) computes whole leaves:
-combining the shards' results pairwise finishes the same tree (the tree all-reduce).
+whatever the other groups hold, in either layout. A TP shard of K (`grouped_tree_partial`)
+computes whole leaves: combining the shards' results pairwise finishes the same tree (the tree
+all-reduce). Only tiles that hold rows run (a loop with a traced trip count on the CPU,
+`pl.when` on the GPU), each reading only its own group's weight: a decode step reads the
+weights of the groups its rows chose, not all of w.
 
-Active bytes: at most ceil(R / block_m) + min(G, R) tiles hold rows; only those run (a loop with
-a traced trip count on the CPU, `pl.when` on the GPU) and each reads only its own group's weight,
-so a decode step reads the weights of the groups its rows chose, not all of w.
+Why the Pallas kernel works in row order. A step's layout is sized for its static row count, so
+most tiles may be empty: a 16-token bucket holding one decoding token has 128 rows (8,320
+slots) of which 8 are real, and the "tp" residual stream, padded to the Hopper matmuls' 64-row
+CTAs, made that 512 rows (8,704 slots) for any decode of up to 64 tokens. In slot order every
+layer copied its inputs into the slots, wrote every empty tile's zeros (64 MiB of f32 down
+output at 8,704 slots), ran SwiGLU over all slots and gathered the rows back: ~200 MB of
+traffic a layer around 8 rows whose experts are ~75 MB (Qwen3-30B-A3B). So the kernel gathers
+a tile's rows straight from x and scatters its results straight to their rows (masked stores,
+as pallas_kernels/rope_kv.py does): an empty tile loads and stores nothing, and every array
+outside the kernel is [R, ...] (jdet/moe.py lays out only the step's tokens, not the padded
+rows). A gathered row holds the values the slot copy held: the same arithmetic. An empty slot
+of a live tile loads row 0 (its product is never stored; rows do not mix). Gate and up are one
+launch (`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles
+a decode step's programs (one token's 8 experts x 6 live column blocks: 48 programs for 132
+SMs, 96 as a pair).
 
 Stacked weights: w may be a model's stack of every layer's experts [L, G, K, N] with `layer` (a
 traced index); the kernels then read layer `layer`'s groups in place. Why: w[layer] as an array
@@ -33,13 +48,12 @@ takes whole buffers), and with the layers unrolled those copies depend on the we
 XLA may schedule every layer's copies before the first layer runs (a 48-layer, 128-expert model:
 ~70 GiB of temporaries for a 16-token step). Indexing inside the kernel leaves no such array.
 
-`grouped_matmul_xla` is the non-invariant baseline ("none" mode): XLA's `lax.ragged_dot` over the
-same layout, differentiable. `grouped_matmul_reference` is the pure-jnp definition.
+`grouped_matmul_xla`: XLA's `lax.ragged_dot` (differentiable: "none" off a GPU, jdet.train's
+gradient). `grouped_matmul_reference`: the pure-jnp definition.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 
@@ -50,40 +64,18 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform, xla_fixed
 from pallas_kernels.combine import combine_tree
+from pallas_kernels.grouped_layout import (
+    GroupedTiles,
+    gather_rows,
+    group_tiles,
+    row_groups,
+    row_tiles,
+    scatter_rows,
+)
 from pallas_kernels.tree_matmul import tree_plan
 
 # By module path: the package re-exports the *function* `matmul` under the same name.
 _mm = importlib.import_module("pallas_kernels.matmul")
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["slot_row", "row_slot", "tile_group", "group_sizes"],
-    meta_fields=["block_m"],
-)
-@dataclasses.dataclass(frozen=True)
-class GroupedTiles:
-    """Where every row sits in the grouped layout of P = num_tiles * block_m slots.
-
-    slot_row [P]: the row held by each slot (R, one past the last row, for an empty slot);
-    row_slot [R]: each row's slot (P for a row left out); tile_group [num_tiles]: each tile's
-    group, -1 for a tile that holds no row (it does not run); group_sizes [G]: slots of each
-    group (its row count padded to block_m: `lax.ragged_dot`'s group sizes over the layout)."""
-
-    slot_row: jax.Array
-    row_slot: jax.Array
-    tile_group: jax.Array
-    group_sizes: jax.Array
-    block_m: int
-
-    @property
-    def num_slots(self) -> int:
-        return self.slot_row.shape[0]
-
-
-def num_tiles(rows: int, groups: int, block_m: int) -> int:
-    """Tiles of the layout: enough for any grouping of `rows` rows (each group wastes < 1)."""
-    return -(-rows // block_m) + min(groups, rows)
 
 
 def tile_rows(backend: str | None = None) -> int:
@@ -94,43 +86,16 @@ def tile_rows(backend: str | None = None) -> int:
     return _mm.tile_config(1, 1, jnp.bfloat16).block_m
 
 
-def group_tiles(group_ids: jax.Array, num_groups: int, block_m: int) -> GroupedTiles:
-    """The grouped layout of rows with `group_ids` [R] (int): rows sorted by (group, row index),
-    each group's rows starting on a tile boundary. A row whose id is num_groups (or more) is
-    left out (no slot, a zero output row: e.g. a step's padding rows, which then take no tile).
-    Integer arithmetic only."""
+def layout(group_ids: jax.Array, num_groups: int, backend: str | None = None) -> GroupedTiles:
+    """The kernel's layout for rows with `group_ids` [R]: on the Pallas kernel `row_tiles`
+    where R * R <= 2 * G (about one pair of rows shares a group under uniform routing: one
+    Qwen3-30B-A3B or Mixtral token), `group_tiles` otherwise. Static shapes decide; neither
+    layout changes a row's bits."""
     r = group_ids.shape[0]
-    nt = num_tiles(r, num_groups, block_m)
-    p = nt * block_m
-    ids = jnp.minimum(group_ids.astype(jnp.int32), num_groups)
-    order = jnp.argsort(ids * r + jnp.arange(r, dtype=jnp.int32))  # unique keys: one order
-    counts = jnp.zeros(num_groups + 1, jnp.int32).at[ids].add(1)[:num_groups]
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = jnp.append(jnp.cumsum(padded) - padded, p)  # first slot of each group; P: left out
-    first = jnp.append(jnp.cumsum(counts) - counts, 0)  # first sorted position of each group
-    sorted_ids = ids[order]
-    rank = jnp.arange(r, dtype=jnp.int32) - first[sorted_ids]
-    dest = jnp.where(sorted_ids < num_groups, start[sorted_ids] + rank, p)  # slot of sorted row
-    slot_row = jnp.full(p, r, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
-    row_slot = jnp.zeros(r, jnp.int32).at[order].set(dest)
-    ends = start[:num_groups] + padded
-    tile_start = jnp.arange(nt, dtype=jnp.int32) * block_m
-    # compare_all: one element-wise comparison [tiles, groups], no loop (the default binary
-    # search is a loop, which a GPU runs as host-driven iterations in every layer)
-    tg = jnp.searchsorted(ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
-    tile_group = jnp.where(tile_start < ends[-1], tg, -1)
-    return GroupedTiles(slot_row, row_slot, tile_group, padded, block_m)
-
-
-def gather_rows(x: jax.Array, tiles: GroupedTiles) -> jax.Array:
-    """x [R, K] in the grouped layout [P, K]; empty slots hold zero rows."""
-    xp = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-    return xp[tiles.slot_row]
-
-
-def scatter_rows(y: jax.Array, tiles: GroupedTiles) -> jax.Array:
-    """The grouped layout's [P, N] back in row order [R, N] (zeros for rows left out)."""
-    return jnp.take(y, tiles.row_slot, axis=0, mode="fill", fill_value=0)
+    backend = _mm.resolve_backend(backend)
+    if backend != "xla" and r * r <= 2 * num_groups:
+        return row_tiles(group_ids, num_groups, tile_rows(backend))
+    return group_tiles(group_ids, num_groups, tile_rows(backend))
 
 
 # -- the CPU path (xla_fixed's dots) ---------------------------------------------------------------
@@ -165,102 +130,145 @@ def _grouped_xla(xs, w, layer, tile_group, *, leaf_k: int, num_leaves: int, out_
 
 
 # -- the Pallas kernel -----------------------------------------------------------------------------
-def _grouped_kernel(tg_ref, l_ref, x_ref, w_ref, o_ref, *, cfg, k_first: int, num_leaves: int,
-                    precision, live_tiles: int, live_nb: int):  # fmt: skip
-    t = pl.program_id(0)
+def _store_rows(o_ref, rows, cols, val, ok) -> None:
+    """o_ref[rows[i], cols] = val[i] where ok[i], in pallas_kernels/rope_kv.py `_store_cols`'
+    form (array indices on both axes; a row not stored points one past the output)."""
+    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
+
+    mask = jnp.broadcast_to(ok[:, None], val.shape)
+    pltriton.store(o_ref.at[rows[:, None], cols], val, mask=mask)
+
+
+def _grouped_kernel(tg_ref, l_ref, sr_ref, x_ref, *refs, cfg, k_first: int, num_leaves: int,
+                    precision, live_tiles: int, live_nb: int, nb: int, rows: int,
+                    per_src: int):  # fmt: skip
+    """Program (t, j): tile t's rows times column block j % nb of weight j // nb (one weight,
+    or gate and up), stored to the rows' own output rows."""
+    *w_refs, o_ref = refs
+    t, j = pl.program_id(0), pl.program_id(1)
     g = tg_ref[t]
     layer = l_ref[0]
-    bk = cfg.block_k
-    run = (g >= 0) & (pl.program_id(1) < live_nb)
+    bk, bn = cfg.block_k, w_refs[0].shape[3]
+    which, jj = j // nb, j % nb
+    slot_rows = sr_ref[...]  # [bm]: the row of each slot, `rows` for an empty one
+    ok = slot_rows < rows
+    src = jnp.where(ok, slot_rows // per_src, 0)  # empty slot: any row (never stored)
+    dst = jnp.where(ok, slot_rows, rows)
+    cols = j * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+    live = g >= 0
 
-    @pl.when(run)
-    def _run():
+    def product(w_ref) -> jax.Array:
         def leaf(first: int) -> jax.Array:
             # K tiles past live_tiles hold zero weights: an exact zero stands in for their sum
             n = max(0, min(k_first, live_tiles - first))
 
             def body(i, acc):
                 start = pl.multiple_of((first + i) * bk, bk)
-                a = x_ref[:, pl.ds(start, bk)]
+                a = x_ref[src, pl.ds(start, bk)]
                 b = w_ref[layer, g, pl.ds(start, bk), :]
                 return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
                                      precision=precision)  # fmt: skip
 
-            acc0 = jnp.zeros((x_ref.shape[0], w_ref.shape[3]), jnp.float32)
+            acc0 = jnp.zeros((src.shape[0], bn), jnp.float32)
             return lax.fori_loop(0, n, body, acc0) if n else acc0
 
         # the tree kernel's binary counter: leaves added pairwise, lower K on the left
         stack: list[tuple[int, jax.Array]] = []
-        for j in range(num_leaves):
-            node, height = leaf(j * k_first), 0
+        for i in range(num_leaves):
+            node, height = leaf(i * k_first), 0
             while stack and stack[-1][0] == height:
                 node = stack.pop()[1] + node
                 height += 1
             stack.append((height, node))
-        o_ref[...] = stack[0][1].astype(o_ref.dtype)
+        return stack[0][1]
 
-    @pl.when(jnp.logical_not(run))
-    def _skip():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    for i, w_ref in enumerate(w_refs):
+
+        @pl.when(live & (which == i) & (jj < live_nb))
+        def _run(w_ref=w_ref):
+            _store_rows(o_ref, dst, cols, product(w_ref).astype(o_ref.dtype), ok)
+
+    if live_nb < nb:  # the plan's zero columns: zeros, not read from the weight
+
+        @pl.when(live & (jj >= live_nb))
+        def _zero():
+            _store_rows(o_ref, dst, cols, jnp.zeros((src.shape[0], bn), o_ref.dtype), ok)
 
 
-@functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype", "live_k",
-                                             "live_n"))
-def _grouped_pallas(xs, w, layer, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
-                    live_k: int | None = None, live_n: int | None = None):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("per_src", "leaf_k", "num_leaves", "out_dtype",
+                                             "live_k", "live_n", "num_stages"))
+def _grouped_pallas(x, ws, layer, tile_group, slot_row, row_slot, *, per_src: int, leaf_k: int,
+                    num_leaves: int, out_dtype, live_k: int | None = None,
+                    live_n: int | None = None, num_stages: int | None = None):  # fmt: skip
+    """[R, N] per weight of `ws` (stacks [L, G, K, N] of one shape), rows left out zero.
+    `num_stages`: the Triton software pipeline's depth (the tile config's by default); it
+    changes when loads are issued, never an MMA or its order."""
     from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
 
-    dtype = jnp.promote_types(xs.dtype, w.dtype)
-    xs, w = xs.astype(dtype), w.astype(dtype)
-    cfg = _mm.tile_config(leaf_k * num_leaves, w.shape[3], dtype)
+    dtype = jnp.promote_types(x.dtype, ws[0].dtype)
+    x, ws = x.astype(dtype), [w.astype(dtype) for w in ws]
+    cfg = _mm.tile_config(leaf_k * num_leaves, ws[0].shape[3], dtype)
     k_first = -(-leaf_k // cfg.block_k)  # a tree leaf is whole block_k tiles; BIO pads K
-    p, n = xs.shape[0], w.shape[3]
+    n = ws[0].shape[3]
     kp = num_leaves * k_first * cfg.block_k
-    xs = _mm._pad_to(xs, 1, kp)
+    x = _mm._pad_to(x, 1, kp)
     # a copy of the whole stack where K or N is not a whole number of tiles (small test
     # shapes); the plan's padded FFN and the models' widths need none
-    w = _mm._pad_to(_mm._pad_to(w, 2, kp), 3, cfg.block_n)
-    nb = w.shape[3] // cfg.block_n
-    bm = p // tile_group.shape[0]
+    ws = [_mm._pad_to(_mm._pad_to(w, 2, kp), 3, cfg.block_n) for w in ws]
+    nb = ws[0].shape[3] // cfg.block_n
+    nt = tile_group.shape[0]
+    bm = slot_row.shape[0] // nt
+    rows = row_slot.shape[0]
     live_tiles = -(-(kp if live_k is None else live_k) // cfg.block_k)
     live_nb = -(-(nb * cfg.block_n if live_n is None else live_n) // cfg.block_n)
     kernel = functools.partial(_grouped_kernel, cfg=cfg, k_first=k_first, num_leaves=num_leaves,
                                precision=_mm._precision(dtype), live_tiles=live_tiles,
-                               live_nb=live_nb)  # fmt: skip
+                               live_nb=live_nb, nb=nb, rows=rows, per_src=per_src)  # fmt: skip
     interpret = _platform.interpret_default()
     compiler_params = None
     if not interpret:
         compiler_params = pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                  num_stages=cfg.num_stages)  # fmt: skip
+                                                  num_stages=num_stages or cfg.num_stages)
+    width = nb * cfg.block_n
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
+
+    lw = jnp.asarray(layer, jnp.int32).reshape(1)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((p, nb * cfg.block_n), out_dtype),
-        grid=(tile_group.shape[0], nb),
+        out_shape=jax.ShapeDtypeStruct((rows, len(ws) * width), out_dtype),
+        grid=(nt, len(ws) * nb),
         in_specs=[
-            pl.BlockSpec(tile_group.shape, lambda t, j: (0,)),
-            pl.BlockSpec((1,), lambda t, j: (0,)),
-            pl.BlockSpec((bm, kp), lambda t, j: (t, 0)),
+            whole(tile_group),
+            whole(lw),
+            pl.BlockSpec((bm,), lambda t, j: (t,)),  # the tile's slots
+            whole(x),  # rows gathered in the kernel
             # every layer and group: the kernel reads its own (layer, group)'s tiles in place
-            pl.BlockSpec((*w.shape[:2], kp, cfg.block_n), lambda t, j: (0, 0, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((bm, cfg.block_n), lambda t, j: (t, j)),
+            *[pl.BlockSpec((*w.shape[:2], kp, cfg.block_n), lambda t, j: (0, 0, 0, j % nb))
+              for w in ws],
+        ],  # fmt: skip
+        out_specs=pl.BlockSpec((rows, len(ws) * width), lambda t, j: (0, 0)),
         interpret=interpret,
         compiler_params=compiler_params,
-        name="grouped_matmul",
-    )(tile_group, layer, xs, w)
-    return out[:, :n]
+        name="grouped_matmul" if len(ws) == 1 else "grouped_matmul_pair",
+    )(tile_group, lw, slot_row, x, *ws)
+    live = (row_slot < slot_row.shape[0])[:, None]
+    out = jnp.where(live, out, jnp.zeros((), out.dtype))  # rows left out: never written
+    return tuple(out[:, i * width : i * width + n] for i in range(len(ws)))
 
 
-def _check(xs: jax.Array, w: jax.Array, tiles: GroupedTiles, layer=None) -> jnp.dtype:
+def _check(x: jax.Array, w: jax.Array, tiles: GroupedTiles, per_src: int, layer=None) -> jnp.dtype:
     want = 3 if layer is None else 4
-    if xs.ndim != 2 or w.ndim != want or xs.shape[1] != w.shape[-2]:
+    if x.ndim != 2 or w.ndim != want or x.shape[1] != w.shape[-2]:
         raise ValueError(
-            f"grouped matmul expects xs[P, K] and w[G, K, N] (or a stack w[L, G, K, N] with "
-            f"`layer`); got xs{tuple(xs.shape)}, w{tuple(w.shape)}, layer={layer}"
+            f"grouped matmul expects x[S, K] and w[G, K, N] (or a stack w[L, G, K, N] with "
+            f"`layer`); got x{tuple(x.shape)}, w{tuple(w.shape)}, layer={layer}"
         )
-    if xs.shape[0] != tiles.num_slots:
-        raise ValueError(f"xs has {xs.shape[0]} rows; the layout has {tiles.num_slots} slots")
-    return jnp.promote_types(xs.dtype, w.dtype)
+    if per_src < 1 or x.shape[0] * per_src < tiles.num_rows:
+        raise ValueError(f"the layout has {tiles.num_rows} rows, row r reading x[r // {per_src}]"
+                         f"; x has {x.shape[0]} rows")  # fmt: skip
+    return jnp.promote_types(x.dtype, w.dtype)
 
 
 def _stacked(w: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
@@ -271,54 +279,79 @@ def _stacked(w: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
     return w, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def _subtree(xs, w, tiles, *, leaf_k: int, num_leaves: int, out_dtype, backend, live_k=None,
-             live_n=None, layer=None):  # fmt: skip
-    """num_leaves leaves of leaf_k columns of K per tile, combined in the tree (module plan).
-    `live_k` / `live_n`: w's rows / columns past them are zero (jdet/plan.py pad_params' FFN
-    padding); the Pallas kernel then neither reads nor multiplies the K tiles and n blocks wholly
-    past them (an exact zero in their place: the same sums). The CPU path computes them.
-    `layer`: w is a stack [L, G, K, N], read at that layer in place (module docstring)."""
-    w, lw = _stacked(w, layer)
+def _subtree(x, ws, tiles, *, per_src: int, leaf_k: int, num_leaves: int, out_dtype, backend,
+             live_k=None, live_n=None, layer=None) -> tuple[jax.Array, ...]:  # fmt: skip
+    """num_leaves leaves of leaf_k columns of K per tile, combined in the tree (module plan),
+    for each weight of `ws` (one shape): [R, N] each, in row order, rows left out zero.
+    `live_k` / `live_n`: w's rows / columns past them are zero (pad_params' FFN padding); the
+    Pallas kernel neither reads nor multiplies the K tiles and n blocks wholly past them (an
+    exact zero stands in: the same sums; the CPU path computes them). `layer`: w is a stack."""
+    stacks = [_stacked(w, layer) for w in ws]
+    lw = stacks[0][1]
+    out_dtype = jnp.dtype(out_dtype)
     if _mm.resolve_backend(backend) == "xla":
-        if tiles.block_m != tile_rows("xla"):
-            raise ValueError(f"the CPU path's tiles have {tile_rows('xla')} rows, not "
-                             f"{tiles.block_m}: lay them out with tile_rows()")  # fmt: skip
-        return _grouped_xla(xs, w, lw, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
-                            out_dtype=jnp.dtype(out_dtype))  # fmt: skip
+        if tiles.block_m != tile_rows("xla") or not tiles.live_first:
+            raise ValueError(f"the CPU path runs group_tiles' layout of {tile_rows('xla')}-row "
+                             f"tiles, not {tiles.block_m}-row tiles (live_first="
+                             f"{tiles.live_first}): lay them out with layout()")  # fmt: skip
+        xs = gather_rows(x, tiles, per_src)
+        return tuple(
+            scatter_rows(_grouped_xla(xs, w, lw, tiles.tile_group, leaf_k=leaf_k,
+                                      num_leaves=num_leaves, out_dtype=out_dtype), tiles)
+            for w, _ in stacks
+        )  # fmt: skip
     # no Mosaic grouped kernel (yet): the portable kernel on every GPU
-    return _grouped_pallas(xs, w, lw, tiles.tile_group, leaf_k=leaf_k, num_leaves=num_leaves,
-                           out_dtype=jnp.dtype(out_dtype), live_k=live_k,
+    return _grouped_pallas(x, tuple(w for w, _ in stacks), lw, tiles.tile_group, tiles.slot_row,
+                           tiles.row_slot, per_src=per_src, leaf_k=leaf_k,
+                           num_leaves=num_leaves, out_dtype=out_dtype, live_k=live_k,
                            live_n=live_n)  # fmt: skip
 
 
-def grouped_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend: str | None = None,
-                   live_n: int | None = None, layer=None):  # fmt: skip
-    """BIO: xs[P, K] (the grouped layout, `gather_rows`) @ w[group] [K, N] per tile -> [P, N];
-    K reduced whole as one leaf (f32), cast to out_dtype (default: the operands' dtype).
-    `live_n`: w's columns past it are zero; `layer`: w is a stack [L, G, K, N] (`_subtree`)."""
-    dtype = _check(xs, w, tiles, layer)
-    return _subtree(xs, w, tiles, leaf_k=xs.shape[1], num_leaves=1, backend=backend,
-                    out_dtype=out_dtype or dtype, live_n=live_n, layer=layer)  # fmt: skip
+def grouped_matmul(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,
+                   backend: str | None = None, live_n: int | None = None,
+                   live_k: int | None = None, layer=None) -> jax.Array:  # fmt: skip
+    """BIO: row r of the layout, x[r // per_src] (x [S, K]), times its group's w [K, N] ->
+    [R, N] in row order (rows left out: zeros); K reduced whole as one leaf (f32), cast to
+    out_dtype (default: the operands' dtype). `live_n` / `live_k`: w's columns / rows past
+    them are zero; `layer`: w is a stack [L, G, K, N] (`_subtree`)."""
+    dtype = _check(x, w, tiles, per_src, layer)
+    return _subtree(x, [w], tiles, per_src=per_src, leaf_k=x.shape[1], num_leaves=1,
+                    backend=backend, out_dtype=out_dtype or dtype, live_n=live_n,
+                    live_k=live_k, layer=layer)[0]  # fmt: skip
 
 
-def grouped_tree_matmul(xs, w, tiles: GroupedTiles, out_dtype=None, *, backend=None,
-                        live_k: int | None = None, layer=None):  # fmt: skip
-    """TBIK: as `grouped_matmul`, K reduced in the leaves and tree of `tree_plan(K)`. `live_k`:
-    w's rows past it are zero; `layer`: w is a stack (`_subtree`)."""
-    dtype = _check(xs, w, tiles, layer)
-    plan = tree_plan(xs.shape[1], dtype)
-    return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves,
-                    out_dtype=out_dtype or dtype, backend=backend, live_k=live_k,
+def grouped_matmul_pair(x, w1, w2, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,
+                        backend: str | None = None, live_n: int | None = None,
+                        layer=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`grouped_matmul` of the same rows by two weights of one shape (an expert's gate and up):
+    one launch on the Pallas kernel, each product's bits exactly `grouped_matmul`'s."""
+    dtype = _check(x, w1, tiles, per_src, layer)
+    if w2.shape != w1.shape:
+        raise ValueError(f"grouped_matmul_pair: weights of one shape; got {w1.shape}, {w2.shape}")
+    return _subtree(x, [w1, w2], tiles, per_src=per_src, leaf_k=x.shape[1], num_leaves=1,
+                    backend=backend, out_dtype=out_dtype or dtype, live_n=live_n,
                     layer=layer)  # fmt: skip
 
 
-def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards: int,
-                         backend=None, live_k: int | None = None, layer=None):  # fmt: skip
-    """f32 subtree of one of `num_shards` contiguous K shards (xs[P, k_total / C], w[G,
+def grouped_tree_matmul(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,
+                        backend=None, live_k: int | None = None, layer=None):  # fmt: skip
+    """TBIK: as `grouped_matmul`, K reduced in the leaves and tree of `tree_plan(K)`. `live_k`:
+    w's rows past it are zero; `layer`: w is a stack (`_subtree`)."""
+    dtype = _check(x, w, tiles, per_src, layer)
+    plan = tree_plan(x.shape[1], dtype)
+    return _subtree(x, [w], tiles, per_src=per_src, leaf_k=plan.leaf_k,
+                    num_leaves=plan.num_leaves, out_dtype=out_dtype or dtype, backend=backend,
+                    live_k=live_k, layer=layer)[0]  # fmt: skip
+
+
+def grouped_tree_partial(x, w, tiles: GroupedTiles, *, k_total: int, num_shards: int,
+                         per_src: int = 1, backend=None, live_k: int | None = None,
+                         layer=None):  # fmt: skip
+    """f32 subtree of one of `num_shards` contiguous K shards (x[S, k_total / C], w[G,
     k_total / C, N]): `combine_tree` over the shards' results (the tree all-reduce) is
     `grouped_tree_matmul`'s f32 result bitwise. The shard index is not needed: every shard's
     subtree has the same shape. `layer`: w is a stack (`_subtree`)."""
-    dtype = _check(xs, w, tiles, layer)
+    dtype = _check(x, w, tiles, per_src, layer)
     plan = tree_plan(k_total, dtype)
     c = num_shards
     if c < 1 or c & (c - 1) or c > plan.num_leaves or (
@@ -329,39 +362,38 @@ def grouped_tree_partial(xs, w, tiles: GroupedTiles, *, k_total: int, num_shards
             f"leaves of {plan.k_first} tiles of {plan.block_k}); pad K to a multiple of "
             f"{plan.block_k * c}"
         )
-    if xs.shape[1] != k_total // c:
-        raise ValueError(f"shard has K={xs.shape[1]}, expected {k_total} / {c}")
-    return _subtree(xs, w, tiles, leaf_k=plan.leaf_k, num_leaves=plan.num_leaves // c,
-                    out_dtype=jnp.float32, backend=backend, live_k=live_k,
-                    layer=layer)  # fmt: skip
+    if x.shape[1] != k_total // c:
+        raise ValueError(f"shard has K={x.shape[1]}, expected {k_total} / {c}")
+    return _subtree(x, [w], tiles, per_src=per_src, leaf_k=plan.leaf_k,
+                    num_leaves=plan.num_leaves // c, out_dtype=jnp.float32, backend=backend,
+                    live_k=live_k, layer=layer)[0]  # fmt: skip
 
 
-def _slot_groups(tiles: GroupedTiles) -> jax.Array:
-    return jnp.repeat(tiles.tile_group, tiles.block_m)
-
-
-def grouped_matmul_reference(xs, w, tiles: GroupedTiles, out_dtype=None):
-    """Pure jnp: each slot's row times its group's weight, f32 accumulation (XLA's order); empty
-    slots give zero rows."""
-    dtype = _check(xs, w, tiles)
-    g = _slot_groups(tiles)
-    wg = w[jnp.maximum(g, 0)]
-    out = jnp.einsum("pk,pkn->pn", xs.astype(dtype), wg.astype(dtype),
+def grouped_matmul_reference(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1):
+    """Pure jnp: each row's x[r // per_src] times its group's weight, f32 accumulation (XLA's
+    order), in row order; rows left out give zero rows."""
+    dtype = _check(x, w, tiles, per_src)
+    g = row_groups(tiles)
+    xr = x[jnp.arange(tiles.num_rows) // per_src]
+    out = jnp.einsum("rk,rkn->rn", xr.astype(dtype), w[jnp.maximum(g, 0)].astype(dtype),
                      preferred_element_type=jnp.float32,
                      precision=_mm._precision(dtype))  # fmt: skip
     out = jnp.where((g >= 0)[:, None], out, 0.0)
     return out.astype(out_dtype or dtype)
 
 
-def grouped_matmul_xla(xs, w, tiles: GroupedTiles, out_dtype=None, *, layer=None):
-    """The "none" mode's grouped product: XLA's `lax.ragged_dot` over the layout (f32
-    accumulation; its reduction order is XLA's, which may follow the group sizes).
-    Differentiable. `layer`: w is a stack, of which ragged_dot takes layer `layer` as an array
-    (on a GPU XLA rewrites ragged_dot into a dense dot over every group: jdet/model.py keeps
-    such a model's "none" layers in a loop)."""
-    dtype = _check(xs, w, tiles, layer)
+def grouped_matmul_xla(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,
+                       layer=None):  # fmt: skip
+    """XLA's `lax.ragged_dot` over `group_tiles`' layout (f32 accumulation; its reduction order
+    is XLA's, which may follow the group sizes), in row order. Differentiable. `layer`: w is a
+    stack, of which ragged_dot takes layer `layer` as an array (on a GPU XLA rewrites ragged_dot
+    into a dense dot over every group: jdet/model.py keeps layers that run it in a loop)."""
+    dtype = _check(x, w, tiles, per_src, layer)
+    if not tiles.live_first:
+        raise ValueError("ragged_dot needs group_tiles' layout (each group's slots contiguous)")
     if layer is not None:
         w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    xs = gather_rows(x, tiles, per_src)
     out = lax.ragged_dot(xs.astype(dtype), w.astype(dtype), tiles.group_sizes,
                          preferred_element_type=jnp.float32)  # fmt: skip
-    return out.astype(out_dtype or dtype)
+    return scatter_rows(out.astype(out_dtype or dtype), tiles)

@@ -1,7 +1,8 @@
 """Mixture-of-experts invariance compiled on a GPU (`-m gpu`): a Qwen3-MoE-shaped random bf16
 model (Qwen3-30B-A3B's layer widths, 4 layers, 32 experts) whose grouped matmul runs the Pallas
 kernels: score() alone, among other requests, and chunked give the same bits; generate's
-log-probs are score()'s; "none" (XLA's dots and ragged_dot) is the control that can differ."""
+log-probs are score()'s; "none" is the control that can differ (its cuBLAS dots and its KV
+split follow the batch; its experts run the grouped kernels, as the invariant modes' do)."""
 
 import numpy as np
 import pytest

@@ -19,6 +19,7 @@ from jdet.config import ModelConfig
 from jdet.moe import ffn_forward
 from jdet.ops import Ops
 from pallas_kernels import _platform
+from pallas_kernels import grouped_layout as gl
 from pallas_kernels import grouped_matmul as gm
 
 # Qwen3-30B-A3B's MoE block; 4 of its 48 layers (the stacks' depth does not enter the bound)
@@ -75,7 +76,7 @@ def _trace_layer(mode: str, f: int, tokens: int = 16):
     return cfg, ffn, jax.make_jaxpr(layer)(ffn, h, slots).jaxpr
 
 
-@pytest.mark.parametrize("mode", ["tp", "batch"])
+@pytest.mark.parametrize("mode", ["tp", "batch", "none"])
 def test_moe_layer_arrays_scale_with_tokens_not_expert_weights(gpu, mode):
     f = F_PADDED if mode == "tp" else SHAPE["moe_intermediate_size"]
     cfg, ffn, jaxpr = _trace_layer(mode, f)
@@ -83,18 +84,21 @@ def test_moe_layer_arrays_scale_with_tokens_not_expert_weights(gpu, mode):
     bm = gm.tile_rows()
     # the grouped layout's slots (each of the k*T rows, and up to one partial tile per expert)
     # times the widest row (D or F) in f32: what a 16-token layer may hold, experts aside
-    slots = gm.num_tiles(t * k, cfg.num_experts, bm) * bm
+    slots = gl.num_tiles(t * k, cfg.num_experts, bm) * bm
     bound = slots * max(cfg.hidden_size, f) * 4
     one_layer_experts = _nbytes(ffn["expert_gate"]) // cfg.num_layers  # [E, D, F] bf16
     assert bound < one_layer_experts // 4  # the bound tells the two apart
-    made = [a for a in _arrays(jaxpr) if _nbytes(a) > bound]
+    arrays = _arrays(jaxpr)
+    made = [a for a in arrays if _nbytes(a) > bound]
     assert not made, f"arrays past {bound / 2**20:.0f} MiB: {[a.str_short() for a in made]}"
+    # and no values in the layout's slots: the kernels gather and scatter rows themselves, so
+    # a float array holds at most the k*T rows (gate|up in f32), or the router's weight
+    rows = t * k * max(cfg.hidden_size, 2 * f) * 4
+    floats = [a for a in arrays if jnp.issubdtype(a.dtype, jnp.floating) and _nbytes(a) > rows]
+    assert not floats, f"past {rows / 2**20:.1f} MiB: {[a.str_short() for a in floats]}"
 
 
-def test_none_mode_moe_layers_run_in_a_loop_on_a_gpu(gpu):
-    """"none" keeps `ragged_dot`, which XLA on a GPU turns into a dense dot over every expert
-    (its layer's weights as an array, the rows masked per expert): in a loop only one layer's
-    are alive, so its layers are not unrolled (jdet/model.py)."""
+def _forward_jaxpr(ops):
     from jdet.batch import StepBatch
     from jdet.model import forward
     from jdet.params import abstract_params
@@ -103,12 +107,32 @@ def test_none_mode_moe_layers_run_in_a_loop_on_a_gpu(gpu):
                                "num_experts": 8, "num_experts_per_tok": 2,
                                "moe_intermediate_size": 64, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "head_dim": 64})  # fmt: skip
-    ops = Ops(invariance="none")
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     batch = StepBatch(i32(4), i32(4), i32(4), i32(2), i32(1), i32(1, 4), i32(1))  # a decode
     kv = {n: jax.ShapeDtypeStruct((2, 2, 16, 16, 64), jnp.bfloat16) for n in "kv"}
     step = lambda p, kv, b: forward(p, cfg, kv, b, ops)  # noqa: E731
-    jaxpr = jax.make_jaxpr(step)(abstract_params(cfg), kv, batch).jaxpr
+    return jax.make_jaxpr(step)(abstract_params(cfg), kv, batch).jaxpr
+
+
+def test_none_mode_moe_layers_read_the_experts_in_place_unrolled_on_a_gpu(gpu):
+    """"none" on a GPU runs the grouped Pallas kernels (gate|up in one launch), which read the
+    chosen experts in place, so its layers unroll as the invariant modes' do (jdet/model.py):
+    no `ragged_dot` (a dense dot over every expert there), no layer loop."""
+    jaxpr = _forward_jaxpr(Ops(invariance="none"))
+    names = [e.primitive.name for e in _all_eqns(jaxpr)]
+    assert "ragged_dot_general" not in names
+    kernels = [e.params.get("name") for e in _all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    assert "grouped_matmul_pair" in str(kernels), kernels
+    assert not [e for e in jaxpr.eqns if e.primitive.name in ("scan", "while")]
+
+
+def test_train_ops_keep_ragged_dot_in_a_layer_loop_on_a_gpu(gpu):
+    """jdet.train's "none" forward (differentiable) keeps `ragged_dot`, which XLA on a GPU turns
+    into a dense dot over every expert (its layer's weights as an array, the rows masked per
+    expert): in a loop only one layer's are alive, so those layers are not unrolled."""
+    from jdet.train import _XlaOps
+
+    jaxpr = _forward_jaxpr(_XlaOps("none"))
     loops = [e for e in _all_eqns(jaxpr) if e.primitive.name in ("scan", "while")]
     inside = [e for loop in loops for e in _all_eqns(_body(loop))]
     ragged = [e for e in _all_eqns(jaxpr) if e.primitive.name == "ragged_dot_general"]

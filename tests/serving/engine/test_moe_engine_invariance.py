@@ -42,20 +42,22 @@ MODES = ["tp", "none"]
 SPLIT_MIN_ROWS = 16
 
 
-def _split_by_expert_rows(self, xs, w, tiles, live=None, layer=None):
-    """The control's grouped matmul (module docstring)."""
+def _split_by_expert_rows(x, w, tiles, per_src, layer=None):
+    """The control's grouped matmul (module docstring), over the layout's slots."""
+    from pallas_kernels import grouped_layout as gl
+
     w = w if layer is None else w[layer]
     g = jnp.maximum(jnp.repeat(tiles.tile_group, tiles.block_m), 0)
     wg = w[g].astype(jnp.float32)
-    x = xs.astype(jnp.float32)
-    whole = jnp.einsum("pk,pkn->pn", x, wg)
-    parts = jnp.einsum("pck,pckn->pcn", x.reshape(x.shape[0], 8, -1),
+    xs = gl.gather_rows(x, tiles, per_src).astype(jnp.float32)
+    whole = jnp.einsum("pk,pkn->pn", xs, wg)
+    parts = jnp.einsum("pck,pckn->pcn", xs.reshape(xs.shape[0], 8, -1),
                        wg.reshape(wg.shape[0], 8, -1, wg.shape[-1]))  # fmt: skip
     split = parts[:, 0]
     for c in range(1, 8):
         split = split + parts[:, c]
     many = (tiles.group_sizes[g] >= SPLIT_MIN_ROWS)[:, None]
-    return jnp.where(many, split, whole).astype(xs.dtype)
+    return gl.scatter_rows(jnp.where(many, split, whole).astype(x.dtype), tiles)
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +79,14 @@ def engines(moe_model):
     import serving.engine.host_inputs
 
     mp = pytest.MonkeyPatch()
-    original = jdet.ops.Ops.grouped_matmul
+    original = jdet.ops.Ops.grouped_gate_up
 
-    def grouped_matmul(self, xs, w, tiles, live=None, layer=None):
+    def grouped_gate_up(self, x, w_gate, w_up, tiles, per_src, live=None, layer=None):
         if self.invariant:
-            return original(self, xs, w, tiles, live, layer)
-        return _split_by_expert_rows(self, xs, w, tiles, layer=layer)
+            return original(self, x, w_gate, w_up, tiles, per_src, live, layer)
+        return tuple(_split_by_expert_rows(x, w, tiles, per_src, layer) for w in (w_gate, w_up))
 
-    mp.setattr(jdet.ops.Ops, "grouped_matmul", grouped_matmul)
+    mp.setattr(jdet.ops.Ops, "grouped_gate_up", grouped_gate_up)
     # traced afresh for this module (the patch must not leak into cached steps elsewhere)
     mp.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     mp.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)

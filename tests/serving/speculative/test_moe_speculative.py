@@ -29,6 +29,7 @@ import pytest
 
 import jdet
 from jdet.spec_config import SpeculativeConfig
+from pallas_kernels import grouped_layout as gl
 
 KW = dict(invariance="tp", max_num_batched_tokens=16, max_num_seqs=16, max_model_len=64,
           min_tokens_bucket=16, min_seqs_bucket=16)  # fmt: skip
@@ -79,22 +80,24 @@ def test_exact_speculative_decoding_of_a_moe_gives_the_plain_bits(moe_model):
 def _split_k_by_expert_rows(original):
     """The control's gate/up grouped matmul (module docstring)."""
 
-    def grouped_matmul(self, xs, w, tiles, live=None, layer=None):
-        whole = original(self, xs, w, tiles, live, layer)
+    def grouped_gate_up(self, x, w_gate, w_up, tiles, per_src, live=None, layer=None):
+        whole = original(self, x, w_gate, w_up, tiles, per_src, live, layer)
         if not self.invariant:
             return whole
-        h = xs.shape[1] // 2
+        h = x.shape[1] // 2
         f32 = jnp.float32
-        split = (original(self, xs[:, :h], w[..., :h, :], tiles, live, layer).astype(f32)
-                 + original(self, xs[:, h:], w[..., h:, :], tiles, live, layer).astype(f32))
-        # the real rows each expert serves in this step (empty slots hold row R)
-        g = jnp.repeat(tiles.tile_group, tiles.block_m)
-        occupied = (tiles.slot_row < tiles.row_slot.shape[0]).astype(jnp.int32)
-        rows = jnp.zeros(w.shape[-3] + 1, jnp.int32).at[g].add(occupied, mode="drop")
+        lo = original(self, x[:, :h], w_gate[..., :h, :], w_up[..., :h, :], tiles, per_src, live,
+                      layer)  # fmt: skip
+        hi = original(self, x[:, h:], w_gate[..., h:, :], w_up[..., h:, :], tiles, per_src, live,
+                      layer)  # fmt: skip
+        # the real rows each expert serves in this step (a row left out has group -1)
+        g = gl.row_groups(tiles)
+        rows = jnp.zeros(w_gate.shape[-3] + 1, jnp.int32).at[g].add(1, mode="drop")
         many = (rows[jnp.maximum(g, 0)] >= SPLIT_MIN_ROWS)[:, None]
-        return jnp.where(many, split.astype(whole.dtype), whole)
+        return tuple(jnp.where(many, (a.astype(f32) + b.astype(f32)).astype(w.dtype), w)
+                     for a, b, w in zip(lo, hi, whole, strict=True))  # fmt: skip
 
-    return grouped_matmul
+    return grouped_gate_up
 
 
 def test_negative_control_expert_tiling_by_tokens_per_expert_breaks_exact_speculation(
@@ -104,8 +107,8 @@ def test_negative_control_expert_tiling_by_tokens_per_expert_breaks_exact_specul
     import jdet.step
     import serving.engine.host_inputs
 
-    monkeypatch.setattr(jdet.ops.Ops, "grouped_matmul",
-                        _split_k_by_expert_rows(jdet.ops.Ops.grouped_matmul))  # fmt: skip
+    monkeypatch.setattr(jdet.ops.Ops, "grouped_gate_up",
+                        _split_k_by_expert_rows(jdet.ops.Ops.grouped_gate_up))  # fmt: skip
     # traced afresh (the patch must not reach the steps other tests share, nor theirs this one)
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
