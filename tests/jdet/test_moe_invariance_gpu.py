@@ -1,9 +1,11 @@
 """Mixture-of-experts invariance compiled on a GPU (`-m gpu`): a Qwen3-MoE-shaped random bf16
 model (Qwen3-30B-A3B's layer widths, 4 layers, 32 experts) whose grouped matmul runs the Pallas
 kernels: score() alone, among other requests, and chunked give the same bits; generate's
-log-probs are score()'s; "none" is the control that can differ (its cuBLAS dots and its KV
-split follow the batch; its experts run the grouped kernels, as the invariant modes' do)."""
+log-probs are score()'s. The control: an expert sum split by the step's size, which must
+differ."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -53,9 +55,37 @@ def test_gpu_moe_score_bits_do_not_depend_on_batch_or_chunking(model, invariance
     assert np.array_equal(alone, chunked)
 
 
-def test_gpu_moe_negative_control_xla_score_changes_with_batch_or_chunking(model):
-    alone, batched, chunked = _score_alone_batched_chunked(model, "none")
-    assert not (np.array_equal(alone, batched) and np.array_equal(alone, chunked))
+def _down_split_by_step_rows(original):
+    """The control's experts' down projection: K in two halves summed in f32 when the step lays
+    out more than 1,024 (token, expert) rows, the whole K otherwise: a reduction whose order
+    follows the step's size, as a batch-dependent kernel's would."""
+
+    def grouped_row_matmul(self, x, w, tiles, live=None, layer=None):
+        if x.shape[0] <= 1024:
+            return original(self, x, w, tiles, live, layer)
+        h = x.shape[1] // 2
+        lo = original(self, x[:, :h], w[..., :h, :], tiles, None, layer).astype(jnp.float32)
+        hi = original(self, x[:, h:], w[..., h:, :], tiles, None, layer).astype(jnp.float32)
+        lo, hi = jax.lax.optimization_barrier((lo, hi))
+        return (lo + hi).astype(x.dtype)
+
+    return grouped_row_matmul
+
+
+def test_gpu_moe_negative_control_a_step_size_dependent_expert_sum_changes_the_score(
+    model, monkeypatch
+):
+    """The harness sees a batch-dependent MoE: with the down projection split by the step's
+    rows, the 300-token score (2,400 expert rows) differs from its 64-token chunks (512 rows).
+    Why not "none": on a GPU "none" runs the same row-local grouped kernels, and at these shapes
+    XLA's dense matmuls and the attention split kept its bits across batch and chunking too."""
+    import jdet.ops
+
+    monkeypatch.setattr(jdet.ops.Ops, "grouped_row_matmul",
+                        _down_split_by_step_rows(jdet.ops.Ops.grouped_row_matmul))  # fmt: skip
+    alone, batched, chunked = _score_alone_batched_chunked(model, "tp")
+    assert np.isfinite(alone).all()
+    assert not np.array_equal(alone, chunked)
 
 
 def test_gpu_moe_generate_logprobs_equal_score_alone_and_among_others(model):
