@@ -156,17 +156,13 @@ class Ops:
     def __post_init__(self) -> None:
         check_mode(self.invariance)
 
-    @property
-    def invariant(self) -> bool:
-        return self.invariance != "none"
+    invariant = property(lambda self: self.invariance != "none")
 
     # -- the rows the residual stream carries ---------------------------------------------------
     def row_pad(self, t: int) -> int:
         """Rows the model carries for a T-token step: on Hopper in the invariant modes, T padded
-        to the Mosaic matmuls' CTA rows (64 for T <= 64, else a multiple of 128), so that no
-        matmul pads its input (one launch each, 4 per layer) -- the padding rows are carried
-        once, like the engine's bucket padding (tokens of no sequence). Matmul rows are
-        independent, so this changes no bit of a real row. T elsewhere."""
+        to the Mosaic matmuls' CTA rows (64 for T <= 64, else a multiple of 128), so no matmul
+        pads its input; matmul rows are independent, so no real row's bit changes. T elsewhere."""
         if not (self.invariant and self.pad_rows and backend().hopper):
             return t
         from pallas_kernels import matmul_mosaic  # slow Mosaic GPU import: Hopper only
@@ -225,24 +221,21 @@ class Ops:
     # -- mixture-of-experts: the grouped matmul (pallas_kernels/grouped_matmul.py) ---------------
     @property
     def ragged_experts(self) -> bool:
-        """Whether the experts run XLA's `lax.ragged_dot` (differentiable; a dense dot over every
-        expert on a GPU): "none" off a GPU. "none" on a GPU runs the invariant modes' grouped
-        Pallas kernels, the fastest we have (they read only the chosen experts, in place)."""
+        """Whether the experts run XLA's `lax.ragged_dot`: "none" off a GPU. On a GPU ragged_dot is
+        dense over every expert, so "none" runs the grouped kernels (the chosen experts only)."""
         return not self.invariant and not backend().gpu
 
     def grouped_tiles(self, ids: jax.Array, num_groups: int) -> Any:
-        """The grouped layout of rows with group (expert) `ids` [R], in the kernel's tiles."""
-        # ragged_dot's is the CPU path's: sorted (each expert's slots contiguous), 8-row tiles
+        """The grouped layout of rows with group (expert) `ids` [R] (ragged_dot's: sorted)."""
         return gm.layout(ids, num_groups, "xla" if self.ragged_experts else None)
 
     def grouped_gate_up(
         self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, tiles: Any, per_src: int,
         live: int | None = None, layer: Any = None,
     ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-        """The experts' column-parallel gate and up projections of the layout's rows (row r:
-        x[r // per_src]) -> two [R, out] in row order: BIO, one launch on a GPU. `live`: the out
-        width before `pad_params`' zero padding (on one shard the GPU kernel skips the zero
-        blocks: the same bits). `layer`: stacks [L, G, in, out], read at that layer in place."""
+        """The experts' gate and up projections of the layout's rows (row r: x[r // per_src]) ->
+        two [R, out], BIO, one launch on a GPU. `live`: the out width before `pad_params`' zeros
+        (one shard skips those blocks: same bits). `layer`: stacks [L, G, in, out], in place."""
         if self.ragged_experts:
             return tuple(gm.grouped_matmul_xla(x, w, tiles, per_src=per_src, layer=layer)
                          for w in (w_gate, w_up))  # fmt: skip
@@ -289,9 +282,8 @@ class Ops:
 
     def fold_down_norm(self) -> bool:
         """Whether the model folds down_proj's combine + residual add into the next layer's
-        attention norm (jdet/model.py hidden_states): where `residual_norm` runs as one kernel
-        (Hopper's Mosaic tree matmul, "tp", one shard). Elsewhere the fold would only move the
-        norm and add a discarded one for the last layer."""
+        attention norm (jdet/model.py hidden_states): where `residual_norm` is one kernel (Hopper,
+        "tp", one shard); elsewhere it would only add a discarded norm for the last layer."""
         if not (self.fuse_down_norm and self.fuse_residual_norm and self.invariance == "tp"):
             return False
         return backend().hopper
