@@ -47,7 +47,8 @@ from jax import lax
 
 from jdet.config import ModelConfig
 from jdet.ops import Ops, swiglu_act
-from pallas_kernels.xla_fixed import hi12, tree_sum
+from pallas_kernels import backend
+from pallas_kernels.xla_fixed import exp_rows, hi12, tree_sum
 
 DENSE_FFN = ("w_gate", "w_up", "w_down", "w_gate_up")
 SPARSE_FFN = ("router", "expert_gate", "expert_up", "expert_down")
@@ -57,7 +58,9 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     """(weights f32 [T, k], expert ids int32 [T, k]) of f32 router logits [T, E] (module
     docstring, steps 2-3). Row-local: each row's result depends on that row only."""
     logits = logits.astype(jnp.float32)
-    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    # on a CPU, exp's bits follow the array's row count unless every block has one shape
+    e = exp_rows(shifted) if backend().cpu else jnp.exp(shifted)
     probs = e / tree_sum(e)[:, None]
     top, ids = lax.top_k(probs, k)  # equal values: the lower index first (documented)
     if normalize:

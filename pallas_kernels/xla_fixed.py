@@ -278,6 +278,21 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (times(cos, False) + times(sin, True)).astype(x.dtype)
 
 
+def exp_rows(x: jax.Array, block: int = BM) -> jax.Array:
+    """exp of x[N, C] computed in fixed blocks of `block` rows (`lax.map`), so every element
+    goes through one code path whatever N is.
+
+    Why: XLA CPU's exp is not correctly rounded, and the code it emits for an [N, C] array with
+    few columns depends on N: on the 2-core CI machine (JAX 0.10.2) the exp of [512, 8] router
+    logits differed in 76 rows from the same rows' exp in [64, 8] pieces. A row of a
+    mixture-of-experts router then got other routing weights alone than in a batch or a chunk
+    (tests/jdet/test_moe.py). Rows of one block run the identical [block, C] program."""
+    n = x.shape[0]
+    nb = -(-n // block)
+    xb = _pad_axis(x, 0, nb * block).reshape(nb, block, *x.shape[1:])
+    return lax.map(jnp.exp, xb).reshape(nb * block, *x.shape[1:])[:n]
+
+
 def _row_lse(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     m = jnp.max(x, axis=-1)

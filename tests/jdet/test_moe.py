@@ -103,6 +103,35 @@ def test_router_ties_go_to_the_lower_expert_index():
     assert np.asarray(ids).tolist() == [[1, 2, 4], [0, 1, 2]]
 
 
+def _route_rows_alone_and_in_pieces(route_fn) -> tuple[np.ndarray, np.ndarray]:
+    """Routing weights of 512 rows of f32 logits [512, 8] in one call and in 64-row calls."""
+    logits = (np.random.default_rng(0).standard_normal((512, 8)) * 3).astype(np.float32)
+    f = jax.jit(lambda x: route_fn(x, 8, True)[0])
+    return np.asarray(f(logits)), np.concatenate(
+        [np.asarray(f(logits[i : i + 64])) for i in range(0, 512, 64)]
+    )
+
+
+def test_router_weights_of_a_row_do_not_depend_on_how_many_rows_are_routed():
+    """A row's routing weights are its own in a 512-row step and in 64-row chunks, bitwise (on
+    a CPU XLA's exp of [512, 8] and of [64, 8] differed in 76 rows: xla_fixed.exp_rows)."""
+    whole, pieces = _route_rows_alone_and_in_pieces(route)
+    assert np.array_equal(whole, pieces)
+
+
+def test_negative_control_a_router_whose_exp_follows_the_row_count_changes_the_weights():
+    """The comparison sees a router whose exp is computed another way above 64 rows."""
+
+    def shape_dependent(logits, k, normalize):
+        x = logits - jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.exp2(x * np.float32(1.4426950408889634)) if x.shape[0] > 64 else jnp.exp(x)
+        top, ids = jax.lax.top_k(e / jnp.sum(e, axis=-1, keepdims=True), k)
+        return top / jnp.sum(top, axis=-1, keepdims=True), ids
+
+    whole, pieces = _route_rows_alone_and_in_pieces(shape_dependent)
+    assert not np.array_equal(whole, pieces)
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_router_matches_transformers_topk(normalize):
     logits = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
