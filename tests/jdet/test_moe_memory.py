@@ -42,16 +42,7 @@ def gpu(monkeypatch):
 def _arrays(jaxpr) -> list:
     """Every array the jaxpr (and the jaxprs inside it: jit, loops, shard_map, pallas_call's
     operands) makes."""
-    out = []
-    for e in jaxpr.eqns:
-        out += [v.aval for v in e.outvars if hasattr(v.aval, "shape")]
-        for p in e.params.values():
-            for s in p if isinstance(p, (list, tuple)) else [p]:
-                if isinstance(s, jcore.ClosedJaxpr):
-                    out += _arrays(s.jaxpr)
-                elif isinstance(s, jcore.Jaxpr):
-                    out += _arrays(s)
-    return out
+    return [v.aval for e in _all_eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")]
 
 
 def _nbytes(a) -> int:
@@ -140,6 +131,7 @@ def test_train_ops_keep_ragged_dot_in_a_layer_loop_on_a_gpu(gpu):
 
 
 def _all_eqns(jaxpr) -> list:
+    """Every equation of the jaxpr and of the jaxprs inside it."""
     out = []
     for e in jaxpr.eqns:
         out.append(e)
