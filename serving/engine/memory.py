@@ -73,12 +73,17 @@ class Budget:
 def device_limit() -> tuple[int, int] | None:
     """(bytes_limit, bytes_in_use) of the first device, or None where it reports no limit (a
     CPU): there the pool keeps its fixed default (serving/engine/shapes.py `default_num_pages`)."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        return None
+    stats = _device_stats()
     limit = stats.get("bytes_limit")
     return (int(limit), int(stats.get("bytes_in_use", 0))) if limit else None
+
+
+def _device_stats() -> dict:
+    """The first device's allocator statistics; {} where the backend keeps none."""
+    try:
+        return jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return {}
 
 
 def check_utilization(value: float) -> float:
@@ -263,10 +268,7 @@ def allocate_to_fit(runner: Any, num_pages: int, keep_free: int) -> int:
 def _stats() -> str:
     """The device allocator's in-use, largest free block and limit, where it reports them: in
     each failed try's line, so a try that kept memory shows as a growing in-use."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = {}
+    stats = _device_stats()
     keys = ("bytes_in_use", "largest_free_block_bytes", "bytes_limit")
     return ", ".join(f"{k} {int(stats[k]) / GiB:.2f} GiB" for k in keys if k in stats) or "no stats"
 
