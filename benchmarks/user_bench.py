@@ -16,6 +16,8 @@ Parts (JSON rows in user_bench.json; random bf16 weights of the named shape, dra
 - torch: compiled PyTorch decode (benchmarks/torch_decode.py, `torch.compile(mode=
   "reduce-overhead")`) at context 1024 and 8192, in a subprocess of this run, so the ratios are
   taken on one GPU at one time;
+- tp: batch-1 decode at context 1024 and TTFT of an 8k prompt (budget 8192) at each TP size the
+  host has (1, 2, 4), `invariance="tp"`, each engine in a fresh process; rows carry `vs_tp1`;
 - sdpa: the TTFT anchor: transformers (`attn_implementation="sdpa"`) on the same shape, random
   bf16 weights, the same prompt lengths, one forward with `logits_to_keep=1`, best of 2, in a
   subprocess.
@@ -127,12 +129,12 @@ def decode(shape: str, smoke: bool, shard: tuple[int, int] = (0, 1)) -> list[dic
     ])  # fmt: skip
 
 
-def _ttft_child(shape: str, kw: dict, smoke: bool) -> None:
+def _ttft_child(shape: str, kw: dict, smoke: bool, lens: tuple[int, ...] = ()) -> None:
     """One engine's time to first token at each prompt length, in this (fresh) process."""
     import jdet
 
     rng = np.random.default_rng(1)
-    lens = SMOKE_TTFT_LENS if smoke else TTFT_LENS
+    lens = lens or (SMOKE_TTFT_LENS if smoke else TTFT_LENS)
     model = _model(shape, max(lens) + 64)
     llm = jdet.LLM(model, warmup=False, **kw)
     for n in lens:
@@ -152,6 +154,30 @@ def ttft(shape: str, smoke: bool) -> list[dict]:
     """At the default token budget and at 8192, each engine in a fresh process (as `decode`)."""
     budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 8192}]
     return _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in budgets])
+
+
+def tp_sizes(smoke: bool) -> list[int]:
+    """TP sizes this host can run: 1, 2, 4 up to its device count (a CPU smoke run: 1, 2)."""
+    if smoke:
+        return [1, 2]
+    import jax
+
+    return [n for n in (1, 2, 4) if n <= len(jax.devices())]
+
+
+def tp(shape: str, smoke: bool) -> list[dict]:
+    """Decode and TTFT per TP size (module docstring), each engine in a fresh process."""
+    rows = []
+    lens = SMOKE_TTFT_LENS if smoke else (8192,)
+    for n in tp_sizes(smoke):
+        kw = {"tp": n}
+        for r in _fresh_engines("decode", shape, [(kw, {"kw": kw, "smoke": smoke,
+                                                       "ctxs": (64,) if smoke else (1024,)})]):
+            rows.append({**r, "part": "tp", "tp": n})
+        kw = {"tp": n, "max_num_batched_tokens": 8192}
+        for r in _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke, "lens": lens})]):
+            rows.append({**r, "part": "tp", "tp": n})
+    return rows
 
 
 def start(shape: str) -> list[dict]:
@@ -238,13 +264,19 @@ def ratios(result: dict) -> None:
     for r in result.get("decode", []):
         if bar.get(r.get("ctx")):
             r["vs_torch_compile"] = r["decode_ms"] / 1e3 / bar[r["ctx"]]
+    one = {(r.get("ctx"), r.get("prompt")): r for r in result.get("tp", []) if r.get("tp") == 1}
+    for r in result.get("tp", []):
+        base = one.get((r.get("ctx"), r.get("prompt")), {})
+        for key in ("decode_ms", "ttft_ms"):
+            if key in r and base.get(key):
+                r["vs_tp1"] = r[key] / base[key]
     sdpa = {r["prompt"]: r.get("ttft_ms") for r in result.get("sdpa", []) if "prompt" in r}
     for r in result.get("ttft", []):
         if sdpa.get(r.get("prompt")):
             r["vs_sdpa"] = r["ttft_ms"] / sdpa[r["prompt"]]
 
 
-PARTS = ("start", "decode", "ttft", "sdpa", "torch")
+PARTS = ("start", "decode", "ttft", "sdpa", "torch", "tp")
 
 
 def run(
@@ -263,6 +295,7 @@ def run(
         ("decode", lambda: decode(shape, smoke, shard)),
         ("ttft", lambda: ttft(shape, smoke)),
         ("sdpa", lambda: sdpa_anchor(shape, smoke)),
+        ("tp", lambda: tp(shape, smoke)),
     ]
     if not smoke:  # the GPU-only anchor
         parts.append(("torch", lambda: torch_anchor(shape, out)))
@@ -309,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few tokens (CPU check)")
-    ap.add_argument("--parts", default=",".join(PARTS),
-                    help="comma-separated subset of " + ",".join(PARTS))  # fmt: skip
+    ap.add_argument("--parts", help="comma-separated subset of " + ",".join(PARTS)
+                    + " (default: all; with --smoke all but tp)")  # fmt: skip
     ap.add_argument("--shard", default="0/1",
                     help="I/N: only every N-th setting of the decode sweep from the I-th")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -326,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.ttft_child:
         c = json.loads(a.ttft_child)
-        _ttft_child(a.shape, c["kw"], c["smoke"])
+        _ttft_child(a.shape, c["kw"], c["smoke"], tuple(c.get("lens", ())))
         return 0
     if a.sdpa_child:
         _sdpa_child(a.shape, [int(n) for n in a.lens.split(",")])
@@ -334,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.merge:
         merge(a.merge, a.out)
         return 0
-    parts = tuple(a.parts.split(","))
+    parts = tuple(a.parts.split(",")) if a.parts else PARTS[:-1] if a.smoke else PARTS
     if unknown := set(parts) - set(PARTS):
         ap.error(f"unknown --parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     i, n = (int(v) for v in a.shard.split("/"))
