@@ -11,12 +11,12 @@ Parts (JSON rows in user_bench.json; random bf16 weights of the named shape, dra
   another 1024-token prompt + 1 token) / 128, best of 2 each, at the defaults, at context 8192,
   and across the settings a user may choose: max_num_seqs {1, 8, 16, 64, 256} x pools {sized by
   default, 1024 and 16384 pages} (a cliff between them is a bug);
-- ttft: one prompt of 2k / 8k / 32k tokens, 1 output token, at the default token budget and at
-  max_num_batched_tokens 8192;
+- ttft: one prompt of 2k / 8k / 32k tokens, 1 output token, at the default settings and at
+  max_num_batched_tokens 512 (every step within the stall-free budget);
 - torch: compiled PyTorch decode (benchmarks/torch_decode.py, `torch.compile(mode=
   "reduce-overhead")`) at context 1024 and 8192, in a subprocess of this run, so the ratios are
   taken on one GPU at one time;
-- tp: batch-1 decode at context 1024 and TTFT of an 8k prompt (budget 8192) at each TP size the
+- tp: batch-1 decode at context 1024 and TTFT of an 8k prompt, defaults, at each TP size the
   host has (1, 2, 4), `invariance="tp"`, each engine in a fresh process; rows carry `vs_tp1`;
 - sdpa: the TTFT anchor: transformers (`attn_implementation="sdpa"`) on the same shape, random
   bf16 weights, the same prompt lengths, one forward with `logits_to_keep=1`, best of 2, in a
@@ -151,8 +151,9 @@ def _ttft_child(shape: str, kw: dict, smoke: bool, lens: tuple[int, ...] = ()) -
 
 
 def ttft(shape: str, smoke: bool) -> list[dict]:
-    """At the default token budget and at 8192, each engine in a fresh process (as `decode`)."""
-    budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 8192}]
+    """At the defaults and at max_num_batched_tokens 512, each engine in a fresh process (as
+    `decode`)."""
+    budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 512}]
     return _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in budgets])
 
 
@@ -174,7 +175,6 @@ def tp(shape: str, smoke: bool) -> list[dict]:
         for r in _fresh_engines("decode", shape, [(kw, {"kw": kw, "smoke": smoke,
                                                        "ctxs": (64,) if smoke else (1024,)})]):
             rows.append({**r, "part": "tp", "tp": n})
-        kw = {"tp": n, "max_num_batched_tokens": 8192}
         for r in _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke, "lens": lens})]):
             rows.append({**r, "part": "tp", "tp": n})
     return rows

@@ -37,7 +37,7 @@ from typing import Any
 
 from jdet import compile_cache as cc
 from jdet.plan import Plan
-from jdet.settings import EngineConfig, resolve_async
+from jdet.settings import EngineConfig, default_step_tokens, resolve_async
 from jdet.spec_config import SpeculativeConfig
 from serving.engine import faults
 from serving.engine.admission import Admission
@@ -78,14 +78,19 @@ class Engine:
         `jdet.SpeculativeConfig` (or dict) for speculative decoding
         (serving/speculative/speculator.py). `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`:
         for tests and benchmarks."""
-        self.config = config = dataclasses.replace(config or EngineConfig(), **settings)
+        config = dataclasses.replace(config or EngineConfig(), **settings)
+        if config.max_num_batched_tokens is None:  # the backend's default (jdet/settings.py)
+            config = dataclasses.replace(config, max_num_batched_tokens=default_step_tokens())
+        self.config = config
         self.compile_cache_dir = cc.enable(config.compile_cache)
         cc.install_counter()
         # the reduction plan, validated here once: kernels, padding, TP runtime, fingerprint
         self.plan = Plan(model.cfg, config.invariance, config.tp)
         self.invariance = self.plan.invariance
-        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if min(config.max_num_batched_tokens, config.stall_free_budget, config.max_num_seqs) < 1:
+            raise ValueError(
+                "max_num_batched_tokens, stall_free_budget and max_num_seqs must be >= 1"
+            )
         page_size = config.page_size
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -112,6 +117,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             policy=config.scheduling,
             verify_tokens=self.speculator.verify_tokens if self.speculator else None,
+            stall_free_budget=config.stall_free_budget,
+            token_buckets=self.runner.shapes.tokens,
         )
         if self.speculator is not None:  # a model draft runs on the target's runner
             self.speculator.attach(self.runner, self.invariance)

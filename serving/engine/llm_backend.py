@@ -94,7 +94,7 @@ def score(engine: Engine, token_ids: Sequence[Sequence[int]]) -> list[np.ndarray
     """Teacher-forced log-probs: out[b][i - 1] = log p(tokens[i] | tokens[:i]) for i >= 1.
 
     One score request per sequence (serving/engine/scoring.py), scheduled like any request: packed
-    up to `max_num_batched_tokens` tokens and `max_num_seqs` sequences a step, long ones chunked,
+    up to `stall_free_budget` tokens and `max_num_seqs` sequences a step, long ones chunked,
     preempted and recomputed when pages run short, on the same shape set, kernels and KV cache as
     generation (the score function's shapes are compiled on first use, `Engine.warmup("score")`).
     In the invariant modes the result is bitwise the sampler's log-probs however it is packed.

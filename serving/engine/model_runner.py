@@ -83,6 +83,7 @@ class ModelRunner:
             min_tokens_bucket=min_tokens_bucket,
             min_seqs_bucket=config.min_seqs_bucket,
             min_pages_bucket=min_pages_bucket,
+            stall_free_budget=config.stall_free_budget,
         )
         self._min_tokens_bucket, self._min_pages_bucket = min_tokens_bucket, min_pages_bucket
         self.kv_dtype = kv_dtype or model.dtype
@@ -178,6 +179,7 @@ class ModelRunner:
             max_num_batched_tokens=s.tokens[-1], max_num_seqs=s.max_seqs,
             max_pages=self.max_pages, min_tokens_bucket=self._min_tokens_bucket,
             min_seqs_bucket=s.min_seqs, min_pages_bucket=self._min_pages_bucket,
+            stall_free_budget=s.stall,
         )  # fmt: skip
 
     def score_step(self) -> Callable:

@@ -1,6 +1,10 @@
 """Sarathi-Serve stall-free scheduling: a token budget per step, decodes first, chunked prefills.
 
-Each step gets `max_num_batched_tokens` tokens. In order:
+A step that carries decodes gets `stall_free_budget` tokens (Sarathi-Serve's budget: it bounds
+how long a running sequence waits between two of its tokens); a step without decodes (prompts
+arriving at an idle engine, `prefill_first`'s prefill steps) gets up to `max_num_batched_tokens`,
+rounded down to a token bucket of the pending prompt tokens (`_idle_budget`), since no one waits
+on it and a long prompt's time to first token falls with the chunk size. In order:
   1. every running sequence that is decoding gets its one token (oldest first);
   2. running sequences still prefilling get a chunk of what is left of the budget (oldest first);
   3. waiting sequences are admitted first-come-first-served while the budget, `max_num_seqs` and
@@ -48,23 +52,32 @@ class Scheduler:
         max_num_seqs: int,
         policy: str = "stall_free",
         verify_tokens: int | None = None,
+        stall_free_budget: int | None = None,
+        token_buckets: tuple[int, ...] = (),
     ) -> None:
         """`verify_tokens`: K + 1 in speculative rejection mode (whole verifies, module
-        docstring); None otherwise (exact mode cuts drafts to what fits: no bit depends on it)."""
+        docstring); None otherwise (exact mode cuts drafts to what fits: no bit depends on it).
+        `stall_free_budget`: tokens of a step that carries decodes or score rows (None:
+        max_num_batched_tokens); `token_buckets`: the engine's T buckets, to which a step
+        without decodes rounds its budget down (empty: no rounding)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if verify_tokens is not None and verify_tokens > max_num_batched_tokens:
+        stall = min(stall_free_budget or max_num_batched_tokens, max_num_batched_tokens)
+        if verify_tokens is not None and verify_tokens > stall:
             raise ValueError(
                 f"speculative verify='rejection' schedules a verify whole ({verify_tokens} "
-                f"tokens: num_tokens + 1), but max_num_batched_tokens is "
-                f"{max_num_batched_tokens}; raise max_num_batched_tokens to at least "
-                f"{verify_tokens} or lower num_tokens"
+                f"tokens: num_tokens + 1), but a step with decodes holds {stall} tokens "
+                f"(max_num_batched_tokens {max_num_batched_tokens}, stall_free_budget "
+                f"{stall_free_budget}); raise max_num_batched_tokens to at least "
+                f"{verify_tokens} (and stall_free_budget) or lower num_tokens"
             )
         self.verify_tokens = verify_tokens
         self.num_deferred_verifies = 0  # rejection mode: verifies left to a later step
         self.num_held_recomputes = 0  # rejection mode: recomputes that left their last token
         self.pm = page_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.stall_free_budget = stall
+        self.token_buckets = token_buckets
         self.max_num_seqs = max_num_seqs
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
@@ -90,7 +103,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step: (sequence, number of its tokens to compute) pairs, within budget."""
         plan: dict[Sequence, int] = {}
-        budget = [self.max_num_batched_tokens]
+        budget = [self._budget()]
         passes = (True, False)
         if self.policy == "prefill_first" and self.waiting:
             self._schedule_running_pass(False, plan, budget)
@@ -104,6 +117,27 @@ class Scheduler:
                 self._add_drafts(plan, budget)  # speculative decoding, exact mode
         self._admit_waiting(plan, budget)
         return list(plan.items())
+
+    def _budget(self) -> int:
+        """This step's token budget (module docstring): the stall-free budget while a running
+        sequence decodes or a score request is anywhere (a step's score rows stay within it:
+        their f32 logits are counted at that size, serving/engine/memory.py); otherwise the
+        largest token bucket within max_num_batched_tokens that the pending prompt tokens fill
+        (a step padded to a larger bucket would compute its padding)."""
+        cap, stall = self.max_num_batched_tokens, self.stall_free_budget
+        if stall == cap:
+            return cap
+        pending = 0
+        for seq in self.running:
+            if seq.is_score or (seq.status is Status.RUNNING and seq.num_uncomputed == 1):
+                return stall
+            pending += seq.num_uncomputed
+        for seq in self.waiting:
+            if seq.is_score:
+                return stall
+            pending += seq.num_tokens - seq.num_computed_tokens
+        fits = [b for b in self.token_buckets if b <= min(pending, cap)]
+        return max([stall, *fits]) if self.token_buckets else cap
 
     def steady(
         self, plan: list[tuple[Sequence, int]], max_model_len: int, also: Callable | None = None

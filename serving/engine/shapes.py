@@ -4,9 +4,12 @@ Why a bounded shape set (`ShapeSet`): every distinct (T, S, Pmax) compiles the s
 sampler variant (serving/engine/sampler_variants.py: two on a GPU, one on a CPU), and a compile
 costs seconds (BENCHMARKS.md, Start-up) that every request in flight waits for. So an engine
 runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it serves:
-- T, tokens: powers of two from `min_tokens_bucket` up to `max_num_batched_tokens` (itself the
-  last bucket): 16, 32, ..., 512 by default, 6 buckets (on a CPU 1, then 8 to 512: 8 buckets,
-  `default_min_tokens_bucket`, `single_token_bucket`);
+- T, tokens: powers of two from `min_tokens_bucket` up to `stall_free_budget` (itself a bucket),
+  then on up to `max_num_batched_tokens` (the last bucket): 16, 32, ..., 512, 1024, ..., 8192 by
+  default on a GPU, 10 buckets (on a CPU 1, then 8 to 512: 8 buckets, `default_min_tokens_bucket`,
+  `single_token_bucket`). A T above the stall-free budget is a step without decodes (a prompt at
+  an idle engine, serving/engine/scheduler.py) and runs at the widest Pmax only: such a step is
+  long, so padding its page table costs little, and it keeps the compiled set small;
 - S, sequences: a function of T's bucket, S = clamp(T_bucket, min_seqs_bucket, max_num_seqs).
   No extra shapes: a step never holds more sequences than tokens, nor more than max_num_seqs
   (a decode step dispatched ahead takes the previous step's S sampled tokens padded on the
@@ -14,12 +17,13 @@ runs only the shapes of its `ShapeSet`, all compiled by `warmup()` before it ser
 - Pmax, page-table width: `min_pages_bucket` x 4^k below the pages of `max_model_len`, then that
   maximum (a last geometric bucket above half the maximum merges into it): 32, 128, 512 pages
   for max_model_len 8192 at page size 16, i.e. 3 buckets.
-So |T| x |P| shapes (18 with the defaults at 8192 tokens), plus as many for `score()` (a separate
-function, compiled on its first use). Why keep a few Pmax buckets rather than one: the invariant
-attention kernel's split grid spans every partition of Pmax (programs past a tile's context exit
-at once, but a wider table still costs a little at decode, more at larger T: BENCHMARKS.md,
-Defaults and memory), a step's page table travels to the device, and "none" off a GPU gathers
-all Pmax pages per token.
+So |T <= budget| x |P| + |T > budget| shapes (6 x 3 + 4 = 22 with the defaults at max_model_len
+8192), plus the |T <= budget| x |P| of `score()` (a separate function, compiled on its first use;
+a step's score rows stay within the stall-free budget, serving/engine/scheduler.py). Why keep a
+few Pmax buckets rather than one: the invariant attention kernel's split grid spans every
+partition of Pmax (programs past a tile's context exit at once, but a wider table still costs a
+little at decode, more at larger T: BENCHMARKS.md, Defaults and memory), a step's page table
+travels to the device, and "none" off a GPU gathers all Pmax pages per token.
 Padding cost (benchmarks/ready_bench.py `--padding`): decode steps run at about the exact shape's
 time; a prefill chunk of few sequences pays most, mostly for the sampled rows of S = T. A busy
 server fills steps to the token budget (T exact); few-sequence prefill is what pays.
@@ -46,6 +50,7 @@ class ShapeSet:
     pages: tuple[int, ...]  # ascending; the last is the pages of max_model_len
     min_seqs: int
     max_seqs: int
+    stall: int = 0  # the bucket of the stall-free budget: T above it runs at the widest Pmax only
 
     @classmethod
     def build(
@@ -57,9 +62,11 @@ class ShapeSet:
         min_tokens_bucket: int | None = None,
         min_seqs_bucket: int = 1,
         min_pages_bucket: int = 32,
+        stall_free_budget: int | None = None,
     ) -> ShapeSet:
         """`min_tokens_bucket` None: `default_min_tokens_bucket()`, and on a CPU a 1-token
-        bucket below it (`single_token_bucket`)."""
+        bucket below it (`single_token_bucket`). `stall_free_budget` None: max_num_batched_tokens
+        (every T at every Pmax)."""
         single = min_tokens_bucket is None and single_token_bucket()
         if min_tokens_bucket is None:
             min_tokens_bucket = default_min_tokens_bucket()
@@ -70,12 +77,18 @@ class ShapeSet:
         ):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        tokens, t = [], min(min_tokens_bucket, max_num_batched_tokens)
+        cap = max_num_batched_tokens
+        stall = min(stall_free_budget or cap, cap)
+        tokens, t = [], min(min_tokens_bucket, cap)
         if single and t > 1:
             tokens.append(1)
-        while t < max_num_batched_tokens:
+        while t < cap:
             tokens.append(t)
+            if t < stall < 2 * t:
+                tokens.append(stall)  # a bucket: steps with decodes fill it
             t *= 2
+        tokens = sorted(set(tokens) - {cap}) + [cap]
+        stall = next(b for b in tokens if b >= stall)  # the largest T a step with decodes pads to
         pages, p = [], min(min_pages_bucket, max_pages)
         while p < max_pages:
             pages.append(p)
@@ -83,11 +96,16 @@ class ShapeSet:
         if len(pages) > 1 and pages[-1] * 2 > max_pages:
             pages.pop()  # within 2x of the maximum: the maximum serves it
         return cls(
-            tuple(tokens) + (max_num_batched_tokens,),
+            tuple(tokens),
             tuple(pages) + (max_pages,),
             min(min_seqs_bucket, max_num_seqs),
             max_num_seqs,
+            stall,
         )
+
+    def pages_for(self, tokens_bucket: int) -> tuple[int, ...]:
+        """The Pmax buckets of a T bucket: all up to the stall-free budget, then the widest."""
+        return self.pages if tokens_bucket <= self.stall else self.pages[-1:]
 
     def seqs(self, tokens_bucket: int) -> int:
         """S for a token bucket: >= every step's sequence count (S <= T, S <= max_num_seqs)."""
@@ -96,7 +114,7 @@ class ShapeSet:
     def fit(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
         """The (T, S, Pmax) bucket of a step; a step outside the set is a bug, not a compile."""
         t = next((b for b in self.tokens if b >= num_tokens), None)
-        p = next((b for b in self.pages if b >= num_pages), None)
+        p = next((b for b in self.pages_for(t or 0) if b >= num_pages), None)
         if t is None or p is None or num_seqs > min(num_tokens, self.max_seqs):
             raise ValueError(
                 f"a step of {num_tokens} tokens, {num_seqs} sequences and {num_pages} pages is "
@@ -105,9 +123,12 @@ class ShapeSet:
             )
         return t, self.seqs(t), p
 
-    def all(self) -> list[tuple[int, int, int]]:
-        """Every shape, small first (what warm-up compiles)."""
-        return [(t, self.seqs(t), p) for p in self.pages for t in self.tokens]
+    def all(self, kind: str = "step") -> list[tuple[int, int, int]]:
+        """Every shape of `kind`, small first (what warm-up compiles): "score" stops at the
+        stall-free budget (a step's score rows stay within it)."""
+        top = self.stall if kind == "score" else self.tokens[-1]
+        return [(t, self.seqs(t), p) for p in self.pages for t in self.tokens
+                if t <= top and p in self.pages_for(t)]  # fmt: skip
 
 
 def default_min_tokens_bucket() -> int:

@@ -84,7 +84,7 @@ def warmup(
     # (host_inputs.py `SplitStep`) shares the forward between variants, so the threads compile
     # distinct forwards first and the later variants find theirs made (or wait for it). Largest
     # shapes first: the longest compiles start first, so the last to finish is a short one.
-    shapes = [(s, v) for v in variants for s in reversed(runner.shapes.all())]
+    shapes = [(s, v) for v in variants for s in reversed(runner.shapes.all(kind))]
     fn = runner.score_step() if kind == "score" else runner.step_fn
     inputs = []
     for shape, variant in shapes:

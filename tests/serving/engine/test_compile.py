@@ -34,11 +34,13 @@ pytestmark = pytest.mark.xdist_group("compile")
 
 ROOT = Path(__file__).resolve().parents[3]
 MODE = "tp"  # the default mode, on the sharded runtime
-# A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8 -> 4 shapes.
+# A small shape set: T in {16, 32}, S = T capped at 4, Pmax in {4, 8} pages of 8, T = 32 (above
+# the stall-free budget: steps without decodes) at Pmax 8 only -> 3 step shapes, 2 score shapes.
 SETTINGS = dict(
     invariance=MODE,
     min_tokens_bucket=16,  # pinned (a CPU's default is 8: serving/engine/shapes.py)
     max_num_batched_tokens=32,
+    stall_free_budget=16,
     max_num_seqs=4,
     max_model_len=64,
     page_size=8,
@@ -88,10 +90,11 @@ def workload(llm: jdet.LLM, with_score: bool = True) -> list:
 def test_after_warmup_no_request_mix_compiles(serving_model, capsys):
     llm = jdet.LLM(serving_model, **SETTINGS, num_pages=10, warmup=True)
     shapes = llm.engine.runner.shapes.all()
-    assert len(shapes) == 4 and {p for _, _, p in shapes} == {4, 8}
+    assert sorted(shapes) == [(16, 4, 4), (16, 4, 8), (32, 4, 8)]
+    assert llm.engine.runner.shapes.all("score") == [(16, 4, 4), (16, 4, 8)]
     llm.engine.warmup("score")  # score() warms on first use too; done here to count after
     llm.generate([1, 2, 3], jdet.SamplingParams(max_tokens=2))  # first use: step warm-up
-    assert "shape 4/4" in capsys.readouterr().err  # the progress bar names shape k of n
+    assert "shape 3/3" in capsys.readouterr().err  # the progress bar names shape k of n
     assert llm.engine.warm == {"step", "score"}
     before = compile_cache.stats()
     workload(llm)

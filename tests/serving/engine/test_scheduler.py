@@ -195,3 +195,41 @@ def test_derived_seeds_are_deterministic_and_distinct():
     seeds = [derive_seed(7, i) for i in range(8)]
     assert seeds == [derive_seed(7, i) for i in range(8)] and len(set(seeds)) == 8
     assert all(0 <= s < 2**32 for s in seeds + [derive_seed(-5, 0), derive_seed(2**70, 0)])
+
+
+def _score_seq(n: int, rid: str) -> Sequence:
+    toks = list(range(1, n + 2))
+    return Sequence(rid, 0, toks[:-1], SamplingOptions(), seed=0, targets=toks[1:])
+
+
+def test_a_step_without_decodes_takes_the_largest_bucket_its_prompts_fill():
+    """The stall-free budget holds while anyone decodes or a score request is queued; a step
+    without decodes rounds up to max_num_batched_tokens down to a token bucket the pending prompt
+    tokens fill, and never below the stall-free budget."""
+    pm = PageManager(num_pages=128, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8, stall_free_budget=16,
+                      token_buckets=(8, 16, 32, 64))  # fmt: skip
+    rng = random.Random(2)
+    long = make_seq(100, "long", rng)
+    sched.add(long)
+    sizes = []
+    while long.num_output_tokens == 0:
+        plan = sched.schedule()
+        sizes.append(sum(n for _, n in plan))
+        fake_step(sched, plan, rng, max_out=100)
+    assert sizes == [64, 32, 4]  # 100 = 64 + 32 + 4: largest bucket within what is pending
+    sched.add(make_seq(60, "next", rng))  # "long" now decodes: the stall-free budget holds
+    assert sum(n for _, n in sched.schedule()) == 16
+    pm.check(all_seqs(sched))
+
+    pm = PageManager(num_pages=128, page_size=4)
+    sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8, stall_free_budget=16,
+                      token_buckets=(8, 16, 32, 64))  # fmt: skip
+    sched.add(make_seq(100, "a", rng))
+    sched.add(_score_seq(40, "score"))  # a score request anywhere: its rows stay within 16
+    assert sum(n for _, n in sched.schedule()) == 16
+
+    control = Scheduler(PageManager(num_pages=128, page_size=4), max_num_batched_tokens=16,
+                        max_num_seqs=8, token_buckets=(8, 16))  # fmt: skip
+    control.add(make_seq(100, "c", rng))
+    assert sum(n for _, n in control.schedule()) == 16  # no stall-free budget below the cap
