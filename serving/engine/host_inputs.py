@@ -317,20 +317,27 @@ class SplitStep(PackedStep):
                                       sharding=self.logits_sharding)  # fmt: skip
         return logits, sampling, words[start:], own
 
-    def peak_bytes(self, params: Any, kv: Any, batch: Any, sampling: Any) -> int:
+    def peak_bytes(self, params: Any, kv: Any, batch: Any, *samplings: Any) -> int:
         """Working memory of a step of these arguments (XLA's memory analysis): the f32 logits
-        between the two programs plus the larger of their temporaries. The sampler's executable
-        is the one warm-up runs (compiled here beside the forward, in a second thread)."""
-        batch, sampling, words, layout = pack(batch, sampling)
-        args = self._sampler_args(sampling, words, layout)
+        between the two programs plus the largest of their temporaries, the sampler's for each
+        of `samplings` (one per variant the engine runs: their temporaries differ, and each is
+        an executable warm-up runs; compiled here beside the forward, in a second thread)."""
+        packed = [pack(batch, s) for s in samplings]
+        batch, _, words, layout = packed[0]
+        args = [self._sampler_args(s, w, lay) for _, s, w, lay in packed]
         compiled = getattr(type(self.sampler), "compiled", None)  # behind the executable cache
+
+        def sampler_temps() -> list[int]:
+            return [int((compiled(self.sampler, *a) if compiled is not None
+                         else self.sampler.lower(*a).compile()).memory_analysis()
+                        .temp_size_in_bytes) for a in args]  # fmt: skip
+
         with ThreadPoolExecutor(1) as pool:
-            smp = pool.submit(lambda: compiled(self.sampler, *args) if compiled is not None
-                              else self.sampler.lower(*args).compile())  # fmt: skip
+            smp = pool.submit(sampler_temps)
             fwd = self.fn.lower(params, kv, batch, words, layout).compile().memory_analysis()
-            smp_temp = smp.result().memory_analysis().temp_size_in_bytes
-        logits = args[0].shape[0] * args[0].shape[1] * 4
-        return logits + max(int(fwd.temp_size_in_bytes), int(smp_temp))
+            smp_temps = smp.result()
+        logits = max(a[0].shape[0] * a[0].shape[1] * 4 for a in args)
+        return logits + max(int(fwd.temp_size_in_bytes), *smp_temps)
 
 
 class SplitScore(PackedStep):

@@ -98,13 +98,17 @@ def check_utilization(value: float) -> float:
 def step_peak(runner: Any, exec_dir: Path | None) -> int:
     """The largest step shape's working memory in bytes (XLA's memory analysis), compiled
     against an abstract pool of the pages of one max_model_len sequence, plus the score
-    function's f32 logits for the largest token bucket (`SCORE_LOGITS_COPIES`). A step of two
+    function's f32 logits for its largest token bucket (`SCORE_LOGITS_COPIES`: a step's score
+    rows stay within the stall-free budget, serving/engine/scheduler.py). A step of two
     programs (serving/engine/host_inputs.py `SplitStep.peak_bytes`) counts both and the logits
-    between them; its sampler's executable is the one warm-up runs."""
+    between them, with the sampler of every variant the engine runs (their temporaries differ:
+    a variant's logits transforms may take more than the forward); a step of one program counts
+    the FULL variant's."""
     shape = runner.shapes.all()[-1]
     kv = runner.abstract_kv(runner.max_pages)
     batch, sampling = runner.warmup_batch(shape, "step")
-    path = _peak_path(runner, kv, batch, sampling, exec_dir)
+    samplings = [runner.warmup_batch(shape, "step", v)[1] for v in runner.variants]
+    path = _peak_path(runner, kv, batch, samplings, exec_dir)
     temp = None
     if path is not None and path.exists():
         try:
@@ -114,7 +118,7 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
     if temp is None:
         peak_bytes = getattr(runner.step_fn, "peak_bytes", None)
         if peak_bytes is not None:
-            temp = int(peak_bytes(runner.params, kv, batch, sampling))
+            temp = int(peak_bytes(runner.params, kv, batch, *samplings))
         else:
             compiled = runner.step_fn.lower(runner.params, kv, batch, sampling).compile()
             temp = int(compiled.memory_analysis().temp_size_in_bytes)
@@ -126,7 +130,8 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
                 os.replace(tmp, path)
             except OSError:
                 pass  # the next start compiles again
-    score_logits = shape[0] * runner.cfg.vocab_size * 4 * SCORE_LOGITS_COPIES
+    score_tokens = runner.shapes.all("score")[-1][0]
+    score_logits = score_tokens * runner.cfg.vocab_size * 4 * SCORE_LOGITS_COPIES
     return temp + score_logits
 
 
