@@ -148,6 +148,18 @@ def ragged_dot_chunked(x: jax.Array, w: jax.Array, tiles: Any, out_dtype: Any, p
     return scatter_rows(out.astype(out_dtype), tiles)
 
 
+def _ragged_remat(x: jax.Array, w: jax.Array, tiles: Any, out_dtype: Any, per_src: int = 1,
+                  layer: Any = None) -> jax.Array:  # fmt: skip
+    """`ragged_dot_chunked`, recomputed in the backward pass: its residuals are then x and the
+    whole stack w (a constant of the layer loop), where they were each layer's w[layer] (as
+    arrays: 27 GiB of expert weights again for 24 Qwen3-30B-A3B layers) and the gathered rows."""
+
+    def run(x: jax.Array, w: jax.Array, tiles: Any, layer: Any) -> jax.Array:
+        return ragged_dot_chunked(x, w, tiles, out_dtype, per_src, layer)
+
+    return jax.checkpoint(run, prevent_cse=False)(x, w, tiles, layer)
+
+
 class _XlaOps(Ops):
     """The "none" ops with XLA's gather attention and `ragged_dot` experts on every platform: on
     a GPU the "none" mode's attention and grouped matmuls are Pallas kernels (jdet/ops.py),
@@ -161,12 +173,12 @@ class _XlaOps(Ops):
 
     def grouped_gate_up(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, tiles: Any,
                         per_src: int, live: int | None = None, layer: Any = None):  # fmt: skip
-        return tuple(ragged_dot_chunked(x, w, tiles, x.dtype, per_src, layer)
+        return tuple(_ragged_remat(x, w, tiles, x.dtype, per_src, layer)
                      for w in (w_gate, w_up))  # fmt: skip
 
     def grouped_row_matmul(self, x: jax.Array, w: jax.Array, tiles: Any, live: int | None = None,
                            layer: Any = None) -> jax.Array:  # fmt: skip
-        return ragged_dot_chunked(x, w, tiles, x.dtype, 1, layer)
+        return _ragged_remat(x, w, tiles, x.dtype, 1, layer)
 
     def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> None:
         return None
