@@ -23,8 +23,10 @@ gathers and launches must not change a bit. none-new and tp-new are compared wit
 reference of layer 0 (max error relative to the largest value).
 
 Kernels: tp-new's grouped gate|up and down launches timed alone over the layers (GB/s of the
-chosen experts' live bytes), and with the Triton pipeline depth `num_stages` in --stages (bits
-checked against the default: the depth never changes an MMA or its order).
+chosen experts' live bytes), the row-order kernel and the slot-order one (`_slots`, with its
+copies into and out of the slots; bits checked against the row-order kernel's), and with the
+Triton pipeline depth `num_stages` in --stages (bits checked against the default: the depth
+never changes an MMA or its order).
 
     PYTHONPATH=. python -m benchmarks.moe_layer_probe --out OUT [--layers 4] [--smoke]
 
@@ -308,9 +310,25 @@ def _kernel_rows(cfg, ffn, h, slots, t_real: int, stages: list[int], layers: int
                                    num_stages=stage)
                 for i, tl in enumerate(tiles)]  # fmt: skip
 
+    from pallas_kernels.grouped_slots import grouped_pallas_slots
+
+    def gate_up_slots(ffn, h, stage):  # the slot-order kernel, its copies in and out included
+        return [tuple(gl.scatter_rows(o, tl) for o in grouped_pallas_slots(
+            gl.gather_rows(h, tl, k), (ffn["expert_gate"], ffn["expert_up"]), lw[i],
+            tl.tile_group, leaf_k=D, num_leaves=1, out_dtype=h.dtype, live_n=F,
+            num_stages=stage)) for i, tl in enumerate(tiles)]  # fmt: skip
+
+    def down_slots(ffn, act, stage):
+        return [tuple(gl.scatter_rows(o, tl) for o in grouped_pallas_slots(
+            gl.gather_rows(act, tl), (ffn["expert_down"],), lw[i], tl.tile_group,
+            leaf_k=plan.leaf_k, num_leaves=plan.num_leaves, out_dtype=jnp.float32, live_k=F,
+            num_stages=stage)) for i, tl in enumerate(tiles)]  # fmt: skip
+
     expert_bytes = D * F * 2  # one projection of one expert, its live part, bf16
     rows, base = [], {}
-    for name, fn, arg, nproj in (("gate_up", gate_up, h, 2), ("down", down, act, 1)):
+    for name, fn, arg, nproj in (("gate_up", gate_up, h, 2), ("down", down, act, 1),
+                                 ("gate_up_slots", gate_up_slots, h, 2),
+                                 ("down_slots", down_slots, act, 1)):  # fmt: skip
         for stage in [None, *stages]:
             row = {"kernel": name, "num_stages": stage or "default", "t_real": t_real,
                    "experts_per_layer": distinct}  # fmt: skip
@@ -321,6 +339,8 @@ def _kernel_rows(cfg, ffn, h, slots, t_real: int, stages: list[int], layers: int
                 gbs = distinct * nproj * expert_bytes / s / 1e9
                 row.update(us_per_layer=s * 1e6, live_expert_GBps=gbs)
                 bits = np.concatenate([np.asarray(o[0].astype(jnp.float32)).ravel() for o in out])
+                if stage is None and name.endswith("_slots"):  # the row-order kernel's bits
+                    row["bits_equal_row_order"] = bool(np.array_equal(bits, base[name[:-6]]))
                 if stage is None:
                     base[name] = bits
                 else:

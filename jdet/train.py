@@ -113,14 +113,72 @@ def _engine_values(cfg: ModelConfig, invariance: str, tp: int, page_size: int) -
     return values
 
 
+# Rows of the experts' layout per `lax.ragged_dot` in the gradient's forward (`_XlaOps`). Why:
+# XLA's GPU backend computes ragged_dot densely over every group, so one call over all P slots
+# holds f32 [P, groups, width] (its gradient by the input [P, groups, K]): 65 GiB for 8 sequences
+# of 943 tokens at Qwen3-30B-A3B's 128 experts. In chunks of this many slots it holds at most
+# 2048 x groups x width (2 GiB there); the arithmetic is the same, the memory bounded.
+RAGGED_ROWS = 2048
+
+
+def ragged_dot_chunked(x: jax.Array, w: jax.Array, tiles: Any, out_dtype: Any, per_src: int = 1,
+                       layer: Any = None, chunk: int = RAGGED_ROWS) -> jax.Array:  # fmt: skip
+    """`grouped_matmul.grouped_matmul_xla` (XLA's ragged_dot over the sorted layout, row order
+    out, differentiable) over `chunk` slots at a time (`RAGGED_ROWS` says why): each chunk's
+    group sizes are its share of every group's slots."""
+    from pallas_kernels.grouped_layout import gather_rows, scatter_rows
+
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    xs = gather_rows(x, tiles, per_src)
+    dtype = jnp.promote_types(x.dtype, w.dtype)
+    p = xs.shape[0]
+    c = min(chunk, p)
+    n = -(-p // c)
+    xs = jnp.pad(xs.astype(dtype), ((0, n * c - p), (0, 0))).reshape(n, c, -1)
+    ends = jnp.cumsum(tiles.group_sizes)
+    starts = ends - tiles.group_sizes
+
+    def one(args: tuple) -> jax.Array:
+        xc, i = args
+        sizes = jnp.clip(ends - i * c, 0, c) - jnp.clip(starts - i * c, 0, c)
+        return jax.lax.ragged_dot(xc, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+
+    out = jax.lax.map(one, (xs, jnp.arange(n, dtype=jnp.int32))).reshape(n * c, -1)[:p]
+    return scatter_rows(out.astype(out_dtype), tiles)
+
+
+def _ragged_remat(x: jax.Array, w: jax.Array, tiles: Any, out_dtype: Any, per_src: int = 1,
+                  layer: Any = None) -> jax.Array:  # fmt: skip
+    """`ragged_dot_chunked`, recomputed in the backward pass: its residuals are then x and the
+    whole stack w (a constant of the layer loop), where they were each layer's w[layer] (as
+    arrays: 27 GiB of expert weights again for 24 Qwen3-30B-A3B layers) and the gathered rows."""
+
+    def run(x: jax.Array, w: jax.Array, tiles: Any, layer: Any) -> jax.Array:
+        return ragged_dot_chunked(x, w, tiles, out_dtype, per_src, layer)
+
+    return jax.checkpoint(run, prevent_cse=False)(x, w, tiles, layer)
+
+
 class _XlaOps(Ops):
     """The "none" ops with XLA's gather attention and `ragged_dot` experts on every platform: on
     a GPU the "none" mode's attention and grouped matmuls are Pallas kernels (jdet/ops.py),
-    which have no autodiff rule; these do."""
+    which have no autodiff rule; these do. The attention recomputes its blocks in the backward
+    pass and the experts run in chunks of rows, so the gradient's memory stays linear in the
+    tokens and bounded per expert layer (`paged_attention_xla`'s `remat`, `RAGGED_ROWS`)."""
 
     @property
     def ragged_experts(self) -> bool:
         return True
+
+    def grouped_gate_up(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, tiles: Any,
+                        per_src: int, live: int | None = None, layer: Any = None):  # fmt: skip
+        return tuple(_ragged_remat(x, w, tiles, x.dtype, per_src, layer)
+                     for w in (w_gate, w_up))  # fmt: skip
+
+    def grouped_row_matmul(self, x: jax.Array, w: jax.Array, tiles: Any, live: int | None = None,
+                           layer: Any = None) -> jax.Array:  # fmt: skip
+        return _ragged_remat(x, w, tiles, x.dtype, 1, layer)
 
     def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> None:
         return None
@@ -130,7 +188,7 @@ class _XlaOps(Ops):
 
         out = paged_attention_xla(q, kv["k"], kv["v"], batch.page_table, batch.context_lens,
                                   batch.query_start, batch.positions, scale=scale,
-                                  layer=layer)  # fmt: skip
+                                  layer=layer, remat=True)  # fmt: skip
         return _pad_rows(out, out_rows)
 
 

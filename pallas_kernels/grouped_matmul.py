@@ -15,41 +15,35 @@ combined in the fixed pairwise tree of `combine_tree` (lower K on the left), cas
   block_k, block_n from `matmul.tile_config(K, N, dtype)`; a leaf is k_first sequential block_k
   steps into an f32 accumulator (the BIO kernel's MMA chain), leaves combined by the tree kernel's
   binary counter.
-Every parameter is a function of (K, N, dtype) only. Which tile a row lands in, its position in
-the tile and the other rows of the tile change none of its arithmetic (the rows of a dot are
-independent, which the BIO matmul relies on too); the number of rows of its group only decides
-how many tiles run. So row r's bits are the same whether its group serves 1 row or 500, and
-whatever the other groups hold, in either layout. A TP shard of K (`grouped_tree_partial`)
-computes whole leaves: combining the shards' results pairwise finishes the same tree (the tree
-all-reduce). Only tiles that hold rows run (a loop with a traced trip count on the CPU,
-`pl.when` on the GPU), each reading only its own group's weight: a decode step reads the
-weights of the groups its rows chose, not all of w.
+Every parameter is a function of (K, N, dtype) only. Which tile a row lands in, its place in it
+and the tile's other rows change none of its arithmetic (the rows of a dot are independent, as
+the BIO matmul relies on); the number of rows of its group decides how many tiles run. So row
+r's bits are the same whether its group serves 1 row or 500, whatever the other groups hold, in
+either layout and either Pallas kernel. A TP shard of K (`grouped_tree_partial`) computes whole
+leaves: combining the shards' results pairwise finishes the same tree (the tree all-reduce).
+Only tiles that hold rows run (a traced trip count on the CPU, `pl.when` on the GPU), each
+reading its own group's weight: a decode step reads the weights of the groups its rows chose.
 
 Why the Pallas kernel works in row order. A step's layout is sized for its static row count, so
 most tiles may be empty: a 16-token bucket holding one decoding token has 128 rows (8,320
-slots) of which 8 are real, and the "tp" residual stream, padded to the Hopper matmuls' 64-row
-CTAs, made that 512 rows (8,704 slots) for any decode of up to 64 tokens. In slot order every
-layer copied its inputs into the slots, wrote every empty tile's zeros (64 MiB of f32 down
-output at 8,704 slots), ran SwiGLU over all slots and gathered the rows back: ~200 MB of
-traffic a layer around 8 rows whose experts are ~75 MB (Qwen3-30B-A3B). So the kernel gathers
-a tile's rows straight from x and scatters its results straight to their rows (masked stores,
-as pallas_kernels/rope_kv.py does): an empty tile loads and stores nothing, and every array
-outside the kernel is [R, ...] (jdet/moe.py lays out only the step's tokens, not the padded
-rows). A gathered row holds the values the slot copy held: the same arithmetic. An empty slot
-of a live tile loads row 0 (its product is never stored; rows do not mix). Gate and up are one
+slots) of which 8 are real. In slot order every layer copied its inputs into the slots, wrote
+every empty tile's zeros, ran SwiGLU over all slots and gathered the rows back: ~200 MB of
+traffic a layer around 8 rows whose experts are ~75 MB (Qwen3-30B-A3B, 512 rows). So the kernel
+gathers a tile's rows straight from x and scatters its results straight to their rows (masked
+stores, as pallas_kernels/rope_kv.py does): an empty tile loads and stores nothing, and every
+array outside the kernel is [R, ...]. A gathered row holds the values the slot copy held: the
+same arithmetic. An empty slot of a live tile loads row 0 (never stored; rows do not mix). From
+`SLOT_ORDER_MIN_ROWS` rows, where nearly every tile holds rows, the slot-order kernel of
+pallas_kernels/grouped_slots.py runs instead (faster there; the same bits). Gate and up are one
 launch (`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles
-a decode step's programs (one token's 8 experts x 6 live column blocks: 48 programs for 132
-SMs, 96 as a pair).
+a decode step's programs (8 experts x 6 live column blocks: 48 programs for 132 SMs, 96).
 
-Stacked weights: w may be a model's stack of every layer's experts [L, G, K, N] with `layer` (a
-traced index); the kernels then read layer `layer`'s groups in place. Why: w[layer] as an array
-is a copy of all G experts (a Triton call, or the dense dot XLA makes of `ragged_dot` on a GPU,
-takes whole buffers), and with the layers unrolled those copies depend on the weights only, so
-XLA may schedule every layer's copies before the first layer runs (a 48-layer, 128-expert model:
-~70 GiB of temporaries for a 16-token step). Indexing inside the kernel leaves no such array.
-
-`grouped_matmul_xla`: XLA's `lax.ragged_dot` (differentiable: "none" off a GPU, jdet.train's
-gradient). `grouped_matmul_reference`: the pure-jnp definition.
+Stacked weights: w may be a stack of every layer's experts [L, G, K, N] with `layer` (traced);
+the kernels read layer `layer`'s groups in place. Why: w[layer] as an array is a copy of all G
+experts (a Triton call takes whole buffers), and with the layers unrolled XLA may schedule every
+layer's copies before the first layer runs (48 layers of 128 experts: ~70 GiB for a 16-token
+step). `grouped_matmul_xla`: XLA's `lax.ragged_dot` (differentiable: "none" off a GPU,
+jdet.train's gradient). `grouped_matmul_reference`: the pure-jnp definition.
 """
 
 from __future__ import annotations
@@ -72,6 +66,7 @@ from pallas_kernels.grouped_layout import (
     row_tiles,
     scatter_rows,
 )
+from pallas_kernels.grouped_slots import SLOT_ORDER_MIN_ROWS, grouped_pallas_slots
 from pallas_kernels.tree_matmul import tree_plan
 
 # By module path: the package re-exports the *function* `matmul` under the same name.
@@ -300,11 +295,17 @@ def _subtree(x, ws, tiles, *, per_src: int, leaf_k: int, num_leaves: int, out_dt
                                       num_leaves=num_leaves, out_dtype=out_dtype), tiles)
             for w, _ in stacks
         )  # fmt: skip
-    # no Mosaic grouped kernel (yet): the portable kernel on every GPU
-    return _grouped_pallas(x, tuple(w for w, _ in stacks), lw, tiles.tile_group, tiles.slot_row,
-                           tiles.row_slot, per_src=per_src, leaf_k=leaf_k,
-                           num_leaves=num_leaves, out_dtype=out_dtype, live_k=live_k,
-                           live_n=live_n)  # fmt: skip
+    # no Mosaic grouped kernel (yet): the portable kernels on every GPU, row order or slot order
+    # by the step's row count, a static shape (the same bits: pallas_kernels/grouped_slots.py)
+    ws = tuple(w for w, _ in stacks)
+    kw = dict(leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=out_dtype, live_k=live_k,
+              live_n=live_n)  # fmt: skip
+    if tiles.num_rows >= SLOT_ORDER_MIN_ROWS:
+        xs = gather_rows(x, tiles, per_src)
+        return tuple(scatter_rows(o, tiles)
+                     for o in grouped_pallas_slots(xs, ws, lw, tiles.tile_group, **kw))  # fmt: skip
+    return _grouped_pallas(x, ws, lw, tiles.tile_group, tiles.slot_row, tiles.row_slot,
+                           per_src=per_src, **kw)  # fmt: skip
 
 
 def grouped_matmul(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,

@@ -235,6 +235,7 @@ def paged_attention_xla(
     partition_size: int = 512,
     layer: jax.Array | None = None,
     block: int = 32,
+    remat: bool = False,
 ) -> jax.Array:
     """Plain XLA attention (one softmax over the whole context, bf16/f32 inputs with f32
     accumulation): the `invariance="none"` baseline and the negative control of the invariance
@@ -243,6 +244,11 @@ def paged_attention_xla(
     XLA has no paged attention, so each token gathers its sequence's pages; tokens go in blocks of
     `block` rows (lax.map) to bound the gathered K/V's memory. With `layer`, the caches are the
     stacked [L, K, P, B, E] cache, gathered from in place.
+
+    `remat` (for a gradient: jdet.train): each block's gathered K/V, scores and probabilities are
+    recomputed in the backward pass instead of kept. Kept, they are [tokens, heads, context] per
+    layer, quadratic in the sequence: 8 sequences of 943 tokens at Qwen3-30B-A3B's heads over 24
+    layers kept 2 x 177 GiB of gathered K/V. Without a gradient it changes nothing.
     """
     del partition_size
     if layer is None:  # gathered from in place with `layer` (a slice would copy the layer)
@@ -282,6 +288,8 @@ def paged_attention_xla(
         return jnp.einsum("bkgc,kbce->bkge", p.astype(v.dtype), v, precision=prec,
                           preferred_element_type=jnp.float32)  # fmt: skip
 
+    if remat:  # prevent_cse=False: inside lax.map's loop CSE cannot hoist the recomputation
+        one = jax.checkpoint(one, prevent_cse=False)
     out = lax.map(one, (rows(q.reshape(t, kh, g, e)), rows(seq), rows(lim)))
     out = out.reshape(tp, h, e)[:t]
     return jnp.where(ok[:, None, None], out, 0.0).astype(q.dtype)

@@ -55,14 +55,17 @@ def test_gpu_moe_score_bits_do_not_depend_on_batch_or_chunking(model, invariance
     assert np.array_equal(alone, chunked)
 
 
-def _down_split_by_step_rows(original):
-    """The control's experts' down projection: K in two halves summed in f32 when the step lays
-    out more than 1,024 (token, expert) rows, the whole K otherwise: a reduction whose order
-    follows the step's size, as a batch-dependent kernel's would."""
+def _down_split_by_step_rows(original, splits: list):
+    """The control's experts' down projection: K in two halves, each rounded to the model's
+    dtype and then summed in f32, when the step lays out more than 1,024 (token, expert) rows,
+    the whole K rounded once otherwise: a reduction whose order and roundings follow the step's
+    size, as a batch-dependent kernel's would. Both halves run the GPU's own grouped kernel.
+    `splits` gets an entry each time a split is traced."""
 
     def grouped_row_matmul(self, x, w, tiles, live=None, layer=None):
         if x.shape[0] <= 1024:
             return original(self, x, w, tiles, live, layer)
+        splits.append(x.shape)
         h = x.shape[1] // 2
         lo = original(self, x[:, :h], w[..., :h, :], tiles, None, layer).astype(jnp.float32)
         hi = original(self, x[:, h:], w[..., h:, :], tiles, None, layer).astype(jnp.float32)
@@ -76,14 +79,26 @@ def test_gpu_moe_negative_control_a_step_size_dependent_expert_sum_changes_the_s
     model, monkeypatch
 ):
     """The harness sees a batch-dependent MoE: with the down projection split by the step's
-    rows, the 300-token score (2,400 expert rows) differs from its 64-token chunks (512 rows).
-    Why not "none": on a GPU "none" runs the same row-local grouped kernels, and at these shapes
-    XLA's dense matmuls and the attention split kept its bits across batch and chunking too."""
-    import jdet.ops
+    rows, the 300-token score (one step of >= 2,400 expert rows) differs from its 64-token
+    chunks (512 rows). Why not "none": on a GPU "none" runs the same row-local grouped kernels,
+    and at these shapes XLA's dense matmuls and the attention split kept its bits across batch
+    and chunking too.
 
-    monkeypatch.setattr(jdet.ops.Ops, "grouped_row_matmul",
-                        _down_split_by_step_rows(jdet.ops.Ops.grouped_row_matmul))  # fmt: skip
+    The step and score functions are cached per (config, Ops) for the process (jdet/step.py),
+    and the tests above compiled this model's: the control bypasses the caches, or its patch
+    would never be traced and it would compare the unpatched programs (`splits` checks that)."""
+    import jdet.ops
+    import jdet.step
+    import serving.engine.host_inputs as host_inputs
+
+    splits: list = []
+    split = _down_split_by_step_rows(jdet.ops.Ops.grouped_row_matmul, splits)
+    monkeypatch.setattr(jdet.ops.Ops, "grouped_row_matmul", split)
+    monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
+    monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
+    monkeypatch.setattr(host_inputs, "_split_step_fn", host_inputs._split_step_fn.__wrapped__)
     alone, batched, chunked = _score_alone_batched_chunked(model, "tp")
+    assert splits, "the control's split was never traced: a cached step ran instead"
     assert np.isfinite(alone).all()
     assert not np.array_equal(alone, chunked)
 

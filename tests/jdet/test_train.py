@@ -226,3 +226,35 @@ def test_bad_arguments_are_refused_by_name(model, kwargs, match):
 
 def test_exported_as_jdet_train():
     assert jdet.train.logprobs is train.logprobs
+
+
+def test_chunked_ragged_dot_is_ragged_dots_values_and_gradient():
+    """The gradient's experts in chunks of rows (jdet/train.py `RAGGED_ROWS`): the chunks' group
+    sizes cut every group where the chunk boundaries fall, so values and gradients are the
+    whole ragged_dot's (f32, a chunk of 24 slots over 3-row tiles of 5 groups)."""
+    from jdet.train import ragged_dot_chunked
+    from pallas_kernels import grouped_layout as gl
+    from pallas_kernels import grouped_matmul as gm
+
+    rng = np.random.default_rng(0)
+    g, k, n, per_src = 5, 16, 12, 2
+    x = jnp.asarray(rng.standard_normal((19, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, g, k, n)), jnp.float32)
+    ids = rng.integers(0, g + 1, 19 * per_src)  # id g: a row left out
+    tiles = gl.group_tiles(jnp.asarray(ids, jnp.int32), g, 8)
+    layer = jnp.int32(1)
+
+    def whole(x, w):
+        return gm.grouped_matmul_xla(x, w, tiles, jnp.float32, per_src=per_src, layer=layer)
+
+    def chunked(x, w):
+        return ragged_dot_chunked(x, w, tiles, jnp.float32, per_src, layer, chunk=24)
+
+    assert tiles.num_slots > 24 * 2
+    np.testing.assert_allclose(chunked(x, w), whole(x, w), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(chunked(x, w))[ids == g].any()
+    ct = jnp.asarray(rng.standard_normal((19 * per_src, n)), jnp.float32)
+    gw = jax.grad(lambda x, w: jnp.sum(whole(x, w) * ct), argnums=(0, 1))(x, w)
+    gc = jax.grad(lambda x, w: jnp.sum(chunked(x, w) * ct), argnums=(0, 1))(x, w)
+    for a, b in zip(gc, gw, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -240,12 +240,66 @@ def test_rows_read_their_token_and_rows_left_out_are_zero(backend):
         gm.grouped_matmul(tokens[:10], W, tiles, per_src=k, backend=backend)
 
 
+def _both_kernels(x, ws, tiles, per_src, leaf_k, num_leaves, out_dtype, live_k=None,
+                  live_n=None):  # fmt: skip
+    """The same layout through the row-order kernel and the slot-order kernel (grouped_slots.py)
+    -> (row order, slot order), each a tuple of [R, N] in row order."""
+    from pallas_kernels.grouped_slots import grouped_pallas_slots
+
+    lw = jnp.zeros((1,), jnp.int32)
+    ws = tuple(w[None] for w in ws)
+    kw = dict(leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=jnp.dtype(out_dtype),
+              live_k=live_k, live_n=live_n)  # fmt: skip
+    rows = gm._grouped_pallas(x, ws, lw, tiles.tile_group, tiles.slot_row, tiles.row_slot,
+                              per_src=per_src, **kw)  # fmt: skip
+    xs = gl.gather_rows(x, tiles, per_src)
+    slots = tuple(gl.scatter_rows(o, tiles)
+                  for o in grouped_pallas_slots(xs, ws, lw, tiles.tile_group, **kw))  # fmt: skip
+    return rows, slots
+
+
+def test_slot_order_kernel_gives_the_row_order_kernels_bits():
+    """Interpret mode: the kernel large steps run (grouped_slots.py) and the row-order kernel
+    give every row the same bits (gate|up as a pair, a 4-leaf tree); rows left out are zeros."""
+    from pallas_kernels.tree_matmul import tree_plan
+
+    _, _, x, ids = _probe_and_crowd()
+    ids = ids.copy()
+    ids[::7] = G
+    tiles = gl.group_tiles(jnp.asarray(np.repeat(ids, 2), jnp.int32), G, gm.tile_rows("pallas"))
+    w2 = _rand(11, (G, K, N))
+    a, b = _both_kernels(x, (W, w2), tiles, 2, K, 1, jnp.float32)
+    plan = tree_plan(K, jnp.float32)
+    assert plan.num_leaves > 1
+    c, d = _both_kernels(x[: len(ids)].repeat(2, 0), (W,), tiles, 1, plan.leaf_k,
+                         plan.num_leaves, jnp.float32)  # fmt: skip
+    for got, want in zip(b + d, a + c, strict=True):
+        got, want = np.asarray(got), np.asarray(want)
+        assert np.isfinite(got).all() and not got[::14].any()
+        assert np.array_equal(got, want)
+
+
+def test_steps_of_many_rows_run_the_slot_order_kernel():
+    """The choice is static (the row count): traced only."""
+    from pallas_kernels.grouped_slots import SLOT_ORDER_MIN_ROWS
+
+    def kernels(rows: int) -> str:
+        def f(x, i):
+            return gm.grouped_matmul(x, W, gl.group_tiles(i, G, 16), backend="pallas")
+
+        return str(jax.make_jaxpr(f)(jnp.zeros((rows, K)), jnp.zeros(rows, jnp.int32)))
+
+    assert "grouped_matmul_slots" in kernels(SLOT_ORDER_MIN_ROWS)
+    assert "grouped_matmul_slots" not in kernels(SLOT_ORDER_MIN_ROWS - 1)
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_grouped_kernels_lower_to_triton_at_model_shapes(monkeypatch, tokens):
     """The Pallas Triton lowering (what rejects a bad block shape, index or mask; no ptxas) of
     the gate|up pair, the down tree and a BIO down at another pipeline depth, at Qwen3-30B-A3B's
     expert shapes over a 2-layer stack, exported for 'cuda' on the CPU: one token's rows in
-    `row_tiles`, 64 tokens' in `group_tiles` (tests/pallas_kernels/triton_export.py's way)."""
+    `row_tiles`, 64 tokens' in `group_tiles`, where the slot-order kernel's gate|up and down
+    are lowered too (tests/pallas_kernels/triton_export.py's way)."""
     from jax import export
 
     from pallas_kernels import _platform
@@ -266,7 +320,18 @@ def test_grouped_kernels_lower_to_triton_at_model_shapes(monkeypatch, tokens):
                                      live_k=768)
         (bio,) = gm._grouped_pallas(act, (wd,), layer, *lay, per_src=1, leaf_k=f, num_leaves=1,
                                     out_dtype=jnp.dtype(jnp.float32), live_k=768, num_stages=4)
-        return tree + bio
+        if tokens == 1:
+            return tree + bio
+        # the slot-order kernel (pallas_kernels/grouped_slots.py), gate|up and the down tree
+        from pallas_kernels.grouped_slots import grouped_pallas_slots
+
+        gs, us = grouped_pallas_slots(gl.gather_rows(h, tiles, 8), (wg, wu), layer,
+                                      tiles.tile_group, leaf_k=d, num_leaves=1,
+                                      out_dtype=jnp.dtype(bf), live_n=768)  # fmt: skip
+        (ds,) = grouped_pallas_slots((gs.astype(jnp.float32) * us).astype(bf), (wd,), layer,
+                                     tiles.tile_group, leaf_k=p.leaf_k, num_leaves=p.num_leaves,
+                                     out_dtype=jnp.dtype(jnp.float32), live_k=768)  # fmt: skip
+        return tree + bio + gl.scatter_rows(ds, tiles)
 
     sd = jax.ShapeDtypeStruct
     args = (sd((64, d), bf), sd((2, g, d, f), bf), sd((2, g, d, f), bf), sd((2, g, f, d), bf),
@@ -274,7 +339,7 @@ def test_grouped_kernels_lower_to_triton_at_model_shapes(monkeypatch, tokens):
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     text = export.export(jax.jit(moe), platforms=["cuda"], disabled_checks=[check])(*args)
     calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
-    assert len(calls) == 3
+    assert len(calls) == (3 if tokens == 1 else 5)
 
 
 @pytest.mark.gpu
@@ -363,3 +428,35 @@ def test_gpu_gate_and_up_in_one_launch_are_the_single_products_at_model_shapes()
         one = gm.grouped_matmul(h, w, tiles, per_src=8, live_n=768)
         assert np.array_equal(np.asarray(got.astype(jnp.float32)),
                               np.asarray(one.astype(jnp.float32)))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 64, 512])
+def test_gpu_slot_order_kernel_gives_the_row_order_kernels_bits_at_model_shapes(tokens):
+    """The two compiled Pallas kernels (grouped_matmul.py picks by the step's rows) at
+    Qwen3-30B-A3B's expert shapes, bf16, the "tp" plan's padded width: gate|up (K 2048, N 1024,
+    768 live), the down tree and a BIO down (K 1024, 768 live): every row the same bits."""
+    from pallas_kernels.tree_matmul import tree_plan
+
+    g, d, f = 128, 2048, 1024
+    rng = np.random.default_rng(8)
+
+    def draw(shape, scale):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
+
+    wg, wu, wd = draw((g, d, f), 0.02), draw((g, d, f), 0.02), draw((g, f, d), 0.02)
+    h = draw((tokens, d), 1.0)
+    ids = rng.integers(0, g, tokens * 8).astype(np.int32)
+    ids[5::13] = g  # rows left out
+    tiles = gl.group_tiles(jnp.asarray(ids), g, gm.tile_rows())
+    bf, f32 = jnp.bfloat16, jnp.float32
+    rows, slots = _both_kernels(h, (wg, wu), tiles, 8, d, 1, bf, live_n=768)
+    act = (rows[0].astype(f32) * rows[1].astype(f32)).astype(bf)
+    p = tree_plan(f, bf)
+    for leaf_k, leaves in ((p.leaf_k, p.num_leaves), (f, 1)):
+        r, s = _both_kernels(act, (wd,), tiles, 1, leaf_k, leaves, f32, live_k=768)
+        rows, slots = rows + r, slots + s
+    for got, want in zip(slots, rows, strict=True):
+        got, want = np.asarray(got.astype(f32)), np.asarray(want.astype(f32))
+        assert np.isfinite(got).all() and not got[5::13].any() and np.abs(got).max() > 0
+        assert np.array_equal(got, want)
