@@ -30,6 +30,29 @@ from pallas_kernels.paged_attention_kernels import (
 )
 
 STRUCTURES = ("auto", "split", "looped")
+# The split layout's (m, l, acc) partials of one call, f32, at most (`auto_structure`). Why a cap:
+# they span every partition of the page table's width, so a prefill chunk of a few thousand
+# tokens beside long contexts held 12 GiB of them (T 2048, 256 sequences, 2,052 pages: an H200
+# out of memory) where the looped layout needs none. serving/engine/memory.py counts the cap.
+SPLIT_PARTIALS_MAX_BYTES = 4 << 30
+
+
+def split_partials_bytes(nt: int, kh: int, num_parts: int, rows: int, e: int) -> int:
+    """Bytes of the split layout's partials: f32 (m, l) and acc [rows, E] per (tile, kv head,
+    partition)."""
+    return nt * kh * num_parts * rows * (e + 2) * 4
+
+
+def auto_structure(
+    nt: int, kh: int, num_parts: int, rows: int, e: int, config: AttentionConfig
+) -> str:
+    """structure="auto": split-KV while fewer (query tile x kv head) programs than
+    `config.split_below_programs` exist (a few long decodes still fill the GPU) and its partials
+    stay within SPLIT_PARTIALS_MAX_BYTES; looped otherwise. Never a bit: both layouts run the
+    same partition code and merge order."""
+    few = nt * kh < config.split_below_programs
+    small = split_partials_bytes(nt, kh, num_parts, rows, e) <= SPLIT_PARTIALS_MAX_BYTES
+    return "split" if few and small else "looped"
 
 
 def attention_meta(
@@ -202,7 +225,7 @@ def _paged_attention_pallas(
         merge_warps = max(1, min(8, gp * e // 512))
         merge_params = pltriton.CompilerParams(num_warps=merge_warps, num_stages=1)
     if structure == "auto":
-        structure = "split" if nt * kh < config.split_below_programs else "looped"
+        structure = auto_structure(nt, kh, num_parts, rows, e, config)
     if not interpret:
         stages = num_stages or (config.split_stages if structure == "split" else 2)
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)

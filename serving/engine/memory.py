@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jdet import compile_cache
 from jdet.exec_key import entry_key, key_parts
+from pallas_kernels.paged_attention_pallas import SPLIT_PARTIALS_MAX_BYTES
 from serving.engine.shapes import kv_pool, model_len_limit
 
 _log = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
     programs (serving/engine/host_inputs.py `SplitStep.peak_bytes`) counts both and the logits
     between them, with the sampler of every variant the engine runs (their temporaries differ:
     a variant's logits transforms may take more than the forward); a step of one program counts
-    the FULL variant's."""
+    the FULL variant's. Plus the split attention layout's partials at their cap: the largest
+    shape runs looped, a smaller one may hold up to SPLIT_PARTIALS_MAX_BYTES of them beside
+    activations no larger than the largest shape's (pallas_kernels/paged_attention_pallas.py)."""
     shape = runner.shapes.all()[-1]
     kv = runner.abstract_kv(runner.max_pages)
     batch, sampling = runner.warmup_batch(shape, "step")
@@ -132,7 +135,7 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
                 pass  # the next start compiles again
     score_tokens = runner.shapes.all("score")[-1][0]
     score_logits = score_tokens * runner.cfg.vocab_size * 4 * SCORE_LOGITS_COPIES
-    return temp + score_logits
+    return temp + score_logits + SPLIT_PARTIALS_MAX_BYTES
 
 
 def _peak_path(runner: Any, kv: Any, batch: Any, sampling: Any, exec_dir: Path | None) -> Any:
