@@ -56,15 +56,17 @@ def _torch(rec: dict) -> dict[int, dict]:
     return {r["ctx"]: r for r in _ok(rec, "torch") if r.get("mode", "compile") == "compile"}
 
 
-def _source(rec: dict) -> str:
-    """What the record measured, on what: shape, devices, JAX, tree, date."""
+def _source(rec: dict, part: str) -> str:
+    """What the record measured, on what: shape, devices, JAX, tree (the part's own where a
+    joined record says, `trees`), date."""
     env = rec.get("env", {})
+    tree = rec.get("trees", {}).get(part) or env.get("commit", "?")
     devs = env.get("devices") or ["device not recorded"]
     kinds = sorted(set(devs))
     on = ", ".join(f"{devs.count(k)}× {k}" if devs.count(k) > 1 else k for k in kinds)
     date = str(env.get("date", "date not recorded")).split(" ")[0]
     return (f"`user_bench`, `{rec.get('shape', '?')}` shape (random bf16), {on}, "
-            f"JAX {env.get('jax', '?')}, tree `{env.get('commit', '?')}`, {date}")  # fmt: skip
+            f"JAX {env.get('jax', '?')}, tree `{tree}`, {date}")  # fmt: skip
 
 
 def user_decode(rec: dict) -> list[str]:
@@ -81,7 +83,7 @@ def user_decode(rec: dict) -> list[str]:
                      f"{r['num_pages']:,}"])  # fmt: skip
     head = ["context", 'jdet `"tp"` ms/token', "compiled PyTorch ms (pipelined / synced)",
             "jdet / PyTorch", "KV pool (pages)"]  # fmt: skip
-    return [_source(rec), "", *_table(head, rows), *_failed(rec, "decode"),
+    return [_source(rec, "decode"), "", *_table(head, rows), *_failed(rec, "decode"),
             *_failed(rec, "torch")]  # fmt: skip
 
 
@@ -89,7 +91,8 @@ def user_sweep(rec: dict) -> list[str]:
     """Batch-1 decode at the shortest context across max_num_seqs x pool: a cliff is a bug."""
     rows = _ok(rec, "decode")
     if not rows:
-        return [_source(rec), "", "No decode rows in the record.", *_failed(rec, "decode")]
+        return [_source(rec, "decode"), "", "No decode rows in the record.",
+                *_failed(rec, "decode")]  # fmt: skip
     ctx = min(r["ctx"] for r in rows)
     grid = {(r["settings"].get("max_num_seqs", r["max_num_seqs"]),
              r["settings"].get("num_pages")): r for r in rows if r["ctx"] == ctx}  # fmt: skip
@@ -103,7 +106,7 @@ def user_sweep(rec: dict) -> list[str]:
     ms = [r["decode_ms"] for r in grid.values()]
     bar = _torch(rec).get(ctx, {}).get("pipelined_step_s")
     worst = f"; slowest / compiled PyTorch {max(ms) / (bar * 1e3):.2f}×" if bar else ""
-    return [f"{_source(rec)}; ms/token at context {ctx:,}", "", *_table(head, body), "",
+    return [f"{_source(rec, 'decode')}; ms/token at context {ctx:,}", "", *_table(head, body), "",
             f"Spread (slowest / fastest cell): {max(ms) / min(ms):.3f}{worst}.",
             *_failed(rec, "decode")]  # fmt: skip
 
@@ -119,7 +122,7 @@ def user_ttft(rec: dict) -> list[str]:
     dev = sorted({str(r.get("device", "?")) for r in _ok(rec, "sdpa")})
     head = ["prompt tokens", "`max_num_batched_tokens`", 'jdet `"tp"` ms', "transformers SDPA ms",
             "jdet / SDPA"]  # fmt: skip
-    return [_source(rec) + (f"; SDPA on {', '.join(dev)}" if dev else ""), "",
+    return [_source(rec, "ttft") + (f"; SDPA on {', '.join(dev)}" if dev else ""), "",
             *_table(head, rows), *_failed(rec, "ttft"), *_failed(rec, "sdpa")]  # fmt: skip
 
 
@@ -143,8 +146,8 @@ def user_start(rec: dict) -> list[str]:
     head = ["start", "engine s", "warm-up + first token s", "ready s (weights placed → token)",
             "executables", "executable-cache loads"]  # fmt: skip
     if not rows:
-        return [_source(rec), "", "Not measured in this run.", *_failed(rec, "start")]
-    return [_source(rec), "", *_table(head, rows), *_failed(rec, "start")]
+        return [_source(rec, "start"), "", "Not measured in this run.", *_failed(rec, "start")]
+    return [_source(rec, "start"), "", *_table(head, rows), *_failed(rec, "start")]
 
 
 # NAME in the markers -> (the benchmark whose records it reads, the renderer)

@@ -312,18 +312,24 @@ def run(
 def joined(records: list[dict], names: list[str] | None = None) -> dict:
     """One record from several runs' (`--parts` halves, the sweep's `--shard` runs on several
     GPUs of one machine): each part's rows joined in the order given, the first run's shape and
-    env kept, the ratios taken again across them. `names` (paths) name a record of another
-    shape in the error."""
+    env kept, each part's trees in `trees` where they differ, the ratios taken again across
+    them. `names` (paths) name a record of another shape in the error."""
     names = names or [f"record {i}" for i in range(len(records))]
     result: dict = {"shape": records[0].get("shape"), "env": records[0].get("env", {})}
     for rec, name in zip(records, names, strict=True):
         if rec.get("shape") != result["shape"]:
             raise ValueError(f"{name} measured the {rec.get('shape')} shape, {names[0]} the "
                              f"{result['shape']} shape: join runs of one shape")  # fmt: skip
+    trees = {}
     for part in PARTS:
         rows = [r for rec in records for r in rec.get(part, [])]
         if rows:
             result[part] = rows
+            got = [rec.get("trees", {}).get(part) or rec.get("env", {}).get("commit", "?")
+                   for rec in records if rec.get(part)]  # fmt: skip
+            trees[part] = " + ".join(dict.fromkeys(got))
+    if len(set(trees.values())) > 1:  # the tree of each part, where the runs differ
+        result["trees"] = trees
     ratios(result)
     return result
 

@@ -85,3 +85,35 @@ def test_records_of_one_run_in_several_files_join_their_rows(tmp_path):
     (results / "user_bench-2.json").unlink()
     alone = sweep()
     assert not all(f"{r['decode_ms']:.2f}" in alone for r in decode)
+
+
+def test_a_joined_record_names_each_parts_tree(tmp_path):
+    """Runs of different trees joined (`user_bench --merge`): each table names its own part's
+    tree(s), not only the first run's. Control: runs of one tree record no `trees`."""
+    rec = json.loads(SMOKE.read_text())
+    a = {k: v for k, v in rec.items() if k != "ttft"}
+    a["env"] = {**rec["env"], "commit": "aaaaaaa"}
+    b = {"shape": rec["shape"], "env": {**rec["env"], "commit": "bbbbbbb"},
+         "ttft": rec["ttft"], "decode": rec["decode"][:1]}  # fmt: skip
+
+    def merged(*recs: dict) -> dict:
+        paths = []
+        for i, r in enumerate(recs):
+            paths.append(tmp_path / f"in{i}.json")
+            paths[-1].write_text(json.dumps(r))
+        out = tmp_path / "results"
+        cmd = [sys.executable, "-m", "benchmarks.user_bench", "--merge", *map(str, paths),
+               "--out", str(out)]  # fmt: skip
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        return json.loads((out / "user_bench.json").read_text())
+
+    got = merged(a, b)
+    assert got["trees"]["ttft"] == "bbbbbbb" and got["trees"]["decode"] == "aaaaaaa + bbbbbbb"
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    p = _report("--results", tmp_path / "results", "--file", md)
+    assert p.returncode == 0, p.stderr
+    ttft = md.read_text().split("<!-- report:user-ttft -->")[1].split("<!-- /report")[0]
+    assert "tree `bbbbbbb`" in ttft
+    assert "trees" not in merged(a, {**b, "env": a["env"]})
