@@ -200,8 +200,7 @@ GPU_STEP_TOKENS, CPU_STEP_TOKENS = 8192, 512
 def default_step_tokens() -> int:
     """EngineConfig.max_num_batched_tokens when unset. On a GPU 8192: a step without decodes
     takes a long prompt in chunks of up to 8192 tokens, which keeps an 8B's matmuls at their full
-    rate and the chunks few (time to first token at 2k / 8k / 32k tokens was 1.31 / 1.47 / 1.61x
-    that of 8192-token chunks at 512, BENCHMARKS.md), while steps that carry decodes keep the
-    stall-free budget of 512. On a CPU 512: every bucket is compiled before serving and a CPU
-    step of 512 tokens already takes seconds."""
+    rate and the chunks few (BENCHMARKS.md, Headline: time to first token at both budgets), while
+    steps that carry decodes keep the stall-free budget of 512. On a CPU 512: every bucket is
+    compiled before serving and a CPU step of 512 tokens already takes seconds."""
     return GPU_STEP_TOKENS if backend().gpu else CPU_STEP_TOKENS
