@@ -66,7 +66,11 @@ from pallas_kernels.grouped_layout import (
     row_tiles,
     scatter_rows,
 )
-from pallas_kernels.grouped_slots import SLOT_ORDER_MIN_ROWS, grouped_pallas_slots
+from pallas_kernels.grouped_slots import (
+    SLOT_ORDER_MIN_ROWS,
+    grouped_pallas_slots,
+    tree_product,
+)
 from pallas_kernels.tree_matmul import tree_plan
 
 # By module path: the package re-exports the *function* `matmul` under the same name.
@@ -153,29 +157,9 @@ def _grouped_kernel(tg_ref, l_ref, sr_ref, x_ref, *refs, cfg, k_first: int, num_
     live = g >= 0
 
     def product(w_ref) -> jax.Array:
-        def leaf(first: int) -> jax.Array:
-            # K tiles past live_tiles hold zero weights: an exact zero stands in for their sum
-            n = max(0, min(k_first, live_tiles - first))
-
-            def body(i, acc):
-                start = pl.multiple_of((first + i) * bk, bk)
-                a = x_ref[src, pl.ds(start, bk)]
-                b = w_ref[layer, g, pl.ds(start, bk), :]
-                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
-                                     precision=precision)  # fmt: skip
-
-            acc0 = jnp.zeros((src.shape[0], bn), jnp.float32)
-            return lax.fori_loop(0, n, body, acc0) if n else acc0
-
-        # the tree kernel's binary counter: leaves added pairwise, lower K on the left
-        stack: list[tuple[int, jax.Array]] = []
-        for i in range(num_leaves):
-            node, height = leaf(i * k_first), 0
-            while stack and stack[-1][0] == height:
-                node = stack.pop()[1] + node
-                height += 1
-            stack.append((height, node))
-        return stack[0][1]
+        return tree_product(lambda start: x_ref[src, pl.ds(start, bk)], w_ref, layer, g,
+                            rows=src.shape[0], k_first=k_first, num_leaves=num_leaves,
+                            live_tiles=live_tiles, bk=bk, precision=precision)  # fmt: skip
 
     for i, w_ref in enumerate(w_refs):
 

@@ -44,6 +44,38 @@ _mm = importlib.import_module("pallas_kernels.matmul")
 SLOT_ORDER_MIN_ROWS = 256
 
 
+def tree_product(x_block, w_ref, layer, g, *, rows: int, k_first: int, num_leaves: int,
+                 live_tiles: int, bk: int, precision) -> jax.Array:  # fmt: skip
+    """One program's [rows, block_n] f32 product in the grouped matmul's reduction plan, shared
+    by both kernels (so their plans are one): `num_leaves` leaves of `k_first` block_k steps
+    into an f32 accumulator, combined by the tree kernel's binary counter (leaves added
+    pairwise, lower K on the left). K tiles past `live_tiles` hold zero weights: an exact zero
+    stands in for their sum. `x_block(start)` loads the tile's [rows, bk] block of x at column
+    `start` (slot order here, rows gathered from x in grouped_matmul.py)."""
+
+    def leaf(first: int) -> jax.Array:
+        n = max(0, min(k_first, live_tiles - first))
+
+        def body(i, acc):
+            start = pl.multiple_of((first + i) * bk, bk)
+            a = x_block(start)
+            b = w_ref[layer, g, pl.ds(start, bk), :]
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
+                                 precision=precision)  # fmt: skip
+
+        acc0 = jnp.zeros((rows, w_ref.shape[3]), jnp.float32)
+        return lax.fori_loop(0, n, body, acc0) if n else acc0
+
+    stack: list[tuple[int, jax.Array]] = []
+    for i in range(num_leaves):
+        node, height = leaf(i * k_first), 0
+        while stack and stack[-1][0] == height:
+            node = stack.pop()[1] + node
+            height += 1
+        stack.append((height, node))
+    return stack[0][1]
+
+
 def _slot_kernel(tg_ref, l_ref, x_ref, *refs, cfg, k_first: int, num_leaves: int, precision,
                  live_tiles: int, live_nb: int, nb: int):  # fmt: skip
     """Program (t, j): slot tile t times column block j % nb of weight j // nb."""
@@ -56,27 +88,9 @@ def _slot_kernel(tg_ref, l_ref, x_ref, *refs, cfg, k_first: int, num_leaves: int
     live = g >= 0
 
     def product(w_ref) -> jax.Array:
-        def leaf(first: int) -> jax.Array:
-            n = max(0, min(k_first, live_tiles - first))  # past live_tiles: zero weights
-
-            def body(i, acc):
-                start = pl.multiple_of((first + i) * bk, bk)
-                a = x_ref[:, pl.ds(start, bk)]
-                b = w_ref[layer, g, pl.ds(start, bk), :]
-                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32,
-                                     precision=precision)  # fmt: skip
-
-            acc0 = jnp.zeros((x_ref.shape[0], w_ref.shape[3]), jnp.float32)
-            return lax.fori_loop(0, n, body, acc0) if n else acc0
-
-        stack: list[tuple[int, jax.Array]] = []  # the binary counter, as grouped_matmul.py's
-        for i in range(num_leaves):
-            node, height = leaf(i * k_first), 0
-            while stack and stack[-1][0] == height:
-                node = stack.pop()[1] + node
-                height += 1
-            stack.append((height, node))
-        return stack[0][1]
+        return tree_product(lambda start: x_ref[:, pl.ds(start, bk)], w_ref, layer, g,
+                            rows=x_ref.shape[0], k_first=k_first, num_leaves=num_leaves,
+                            live_tiles=live_tiles, bk=bk, precision=precision)  # fmt: skip
 
     for i, w_ref in enumerate(w_refs):
 
