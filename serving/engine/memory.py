@@ -105,7 +105,7 @@ def step_peak(runner: Any, exec_dir: Path | None) -> int:
     between them, with the sampler of every variant the engine runs (their temporaries differ:
     a variant's logits transforms may take more than the forward); a step of one program counts
     the FULL variant's. Plus the split attention layout's partials at their cap: the largest
-    shape runs looped, a smaller one may hold up to SPLIT_PARTIALS_MAX_BYTES of them beside
+    shape may run looped while a smaller one holds up to SPLIT_PARTIALS_MAX_BYTES of them beside
     activations no larger than the largest shape's (pallas_kernels/paged_attention_pallas.py)."""
     shape = runner.shapes.all()[-1]
     kv = runner.abstract_kv(runner.max_pages)

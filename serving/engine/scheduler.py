@@ -3,8 +3,8 @@
 A step that carries decodes gets `stall_free_budget` tokens (Sarathi-Serve's budget: it bounds
 how long a running sequence waits between two of its tokens); a step without decodes (prompts
 arriving at an idle engine, `prefill_first`'s prefill steps) gets up to `max_num_batched_tokens`,
-rounded down to a token bucket of the pending prompt tokens (`_idle_budget`), since no one waits
-on it and a long prompt's time to first token falls with the chunk size. In order:
+rounded down to a token bucket of the pending prompt tokens (`_budget`), since no one waits on it
+and a long prompt's time to first token falls with the chunk size. In order:
   1. every running sequence that is decoding gets its one token (oldest first);
   2. running sequences still prefilling get a chunk of what is left of the budget (oldest first);
   3. waiting sequences are admitted first-come-first-served while the budget, `max_num_seqs` and
@@ -127,11 +127,14 @@ class Scheduler:
         cap, stall = self.max_num_batched_tokens, self.stall_free_budget
         if stall == cap:
             return cap
+        # prefill_first with a sequence waiting: a prefill-only step, whoever decodes
+        decodes_wait = self.policy == "prefill_first" and bool(self.waiting)
         pending = 0
         for seq in self.running:
-            if seq.is_score or (seq.status is Status.RUNNING and seq.num_uncomputed == 1):
+            decoding = seq.status is Status.RUNNING and seq.num_uncomputed == 1
+            if seq.is_score or (decoding and not decodes_wait):
                 return stall
-            pending += seq.num_uncomputed
+            pending += 0 if decoding else seq.num_uncomputed
         for seq in self.waiting:
             if seq.is_score:
                 return stall

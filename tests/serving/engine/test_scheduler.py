@@ -233,3 +233,21 @@ def test_a_step_without_decodes_takes_the_largest_bucket_its_prompts_fill():
                         max_num_seqs=8, token_buckets=(8, 16))  # fmt: skip
     control.add(make_seq(100, "c", rng))
     assert sum(n for _, n in control.schedule()) == 16  # no stall-free budget below the cap
+
+
+def test_prefill_first_steps_take_the_whole_budget_while_decodes_wait():
+    """prefill_first: a step that admits a waiting sequence holds prefills only, so it takes up to
+    max_num_batched_tokens even while others decode; stall_free holds such a step to the
+    stall-free budget (the control)."""
+    sizes = {}
+    for policy in ("prefill_first", "stall_free"):
+        pm = PageManager(num_pages=128, page_size=4)
+        sched = Scheduler(pm, max_num_batched_tokens=64, max_num_seqs=8, policy=policy,
+                          stall_free_budget=16, token_buckets=(8, 16, 32, 64))  # fmt: skip
+        rng = random.Random(3)
+        sched.add(make_seq(5, "d", rng))
+        fake_step(sched, sched.schedule(), rng, max_out=100)  # "d" now decodes
+        sched.add(make_seq(100, "long", rng))
+        sizes[policy] = sum(n for _, n in sched.schedule())
+        pm.check(all_seqs(sched))
+    assert sizes == {"prefill_first": 64, "stall_free": 16}
