@@ -48,12 +48,12 @@ def _time_op(op, a, b, out_bytes: int) -> float:
     return t
 
 
-def ceilings() -> dict:
-    """XLA bf16 matmul TFLOP/s (8192^3) and HBM copy GB/s (1 GiB read + 1 GiB write)."""
-    n = 8192
+def ceilings(n: int = 8192, copy_elems: int = 1 << 29) -> dict:
+    """XLA bf16 matmul TFLOP/s (n^3) and HBM copy GB/s (1 GiB read + 1 GiB write by default);
+    smaller sizes give a CPU's figures in seconds (a smoke run's)."""
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     t = _time(jax.jit(lambda x, y: x @ y), a, a, iters=10)
-    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 29,), jnp.bfloat16)
+    x = jax.random.normal(jax.random.PRNGKey(1), (copy_elems,), jnp.bfloat16)
     tc = _time(jax.jit(lambda v: v + jnp.bfloat16(1)), x, iters=10)
     return {"xla_bf16_tflops": 2 * n**3 / t / 1e12, "copy_gbps": 2 * x.nbytes / tc / 1e9}
 

@@ -225,6 +225,37 @@ def decode_b1(model: Any, a: argparse.Namespace, bw: float | None) -> list[dict]
 
 
 # ---------------------------------------------------------------------- 3. Poisson serving
+def poisson_run(eng: Any, work: list[tuple[list[int], dict]], rate: float) -> dict:
+    """Drive `eng` from one thread, as the server's engine thread does (serving/http/driver.py),
+    with `work` arriving as a Poisson process of `rate` requests/s: seconds, and TTFT, ITL and
+    e2e percentiles (seconds) of this run alone, from the engine's raw samples (an engine built
+    with `keep_raw_metrics`; one engine may serve several runs in turn)."""
+    raw = eng.metrics.raw
+    start = {k: len(getattr(raw, k)) for k in ("ttft", "itl", "e2e")}
+    preempted = eng.scheduler.num_preemptions
+    rng = np.random.default_rng(int(rate * 1000))
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(work)))
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(work) or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while nxt < len(work) and arrivals[nxt] <= now:
+            ids, p = work[nxt]
+            eng.add_request(f"r{rate:g}-{nxt}", ids, p, arrival_time=t0 + arrivals[nxt])
+            nxt += 1
+        if eng.has_unfinished():
+            eng.step()
+        elif nxt < len(work):
+            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+    dt = time.perf_counter() - t0
+    ttft, itl, e2e = (getattr(raw, k)[start[k]:] for k in ("ttft", "itl", "e2e"))
+    return {"rate_req_s": rate, "requests": len(work), "seconds": dt,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "itl_max": max(itl, default=None),
+            "e2e_p50": pct(e2e, 50),
+            "preemptions": eng.scheduler.num_preemptions - preempted}  # fmt: skip
+
+
 def poisson(model: Any, a: argparse.Namespace) -> list[dict]:
     rows = []
     work = workload(
@@ -242,29 +273,7 @@ def poisson(model: Any, a: argparse.Namespace) -> list[dict]:
                 min_tokens_bucket=16,
                 max_model_len=a.poisson_max_model_len,
             )
-            rng = np.random.default_rng(int(rate * 1000))
-            arrivals = np.cumsum(rng.exponential(1.0 / rate, len(work)))
-            t0 = time.perf_counter()
-            nxt = 0
-            while nxt < len(work) or eng.has_unfinished():
-                now = time.perf_counter() - t0
-                while nxt < len(work) and arrivals[nxt] <= now:
-                    ids, p = work[nxt]
-                    eng.add_request(f"r{nxt}", ids, p, arrival_time=t0 + arrivals[nxt])
-                    nxt += 1
-                if eng.has_unfinished():
-                    eng.step()
-                elif nxt < len(work):
-                    time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
-            dt = time.perf_counter() - t0
-            raw = eng.metrics.raw
-            row = {"policy": policy, "rate_req_s": rate, "budget": budget,
-                   "requests": len(work), "seconds": dt,
-                   "ttft_p50": pct(raw.ttft, 50), "ttft_p99": pct(raw.ttft, 99),
-                   "itl_p50": pct(raw.itl, 50), "itl_p99": pct(raw.itl, 99),
-                   "itl_max": max(raw.itl) if raw.itl else None,
-                   "e2e_p50": pct(raw.e2e, 50),
-                   "preemptions": eng.scheduler.num_preemptions}  # fmt: skip
+            row = {"policy": policy, "budget": budget, **poisson_run(eng, work, rate)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng

@@ -20,12 +20,29 @@ Parts (JSON rows in user_bench.json; random bf16 weights of the named shape, dra
   host has (1, 2, 4), `invariance="tp"`, each engine in a fresh process; rows carry `vs_tp1`;
 - sdpa: the TTFT anchor: transformers (`attn_implementation="sdpa"`) on the same shape, random
   bf16 weights, the same prompt lengths, one forward with `logits_to_keep=1`, best of 2, in a
-  subprocess.
+  subprocess;
+- offline: the mixed workload through one `LLM.generate` call: 256 requests, prompts uniform in
+  128-1024 tokens, outputs in 64-512 (seeded, greedy, EOS ignored), timed after a warm-up call,
+  `jdet.LLM(model)` with invariance "tp" (the default) and "none", each in a fresh process:
+  output and total tok/s, steps, `vs_none` (tok/s over that of "none": above 1 is faster), and
+  the roofline, a lower bound on the wall time from the hardware: the larger of compute (2 x the
+  weights x the tokens each meets, the LM head for output tokens only, at the bf16 matmul peak)
+  and memory (the longest output's steps, each reading every weight once, at the copy
+  bandwidth), both ceilings measured in that process (benchmarks/matmul_bench.py `ceilings`);
+  `vs_roofline` = wall / roofline;
+- itl: serving under Poisson load: an `Engine` built as `jdet serve` builds it and warmed as its
+  engine thread warms it, driven from one thread as that thread drives it (serve_bench's
+  `poisson_run`; no HTTP: what the engine adds, not the server's handlers), 128 requests of
+  256-1536 prompt tokens and 64-128 outputs at 4 and 16 requests/s: TTFT and inter-token latency
+  p50/p99 (ms), at the defaults (steps without decodes up to 8192 tokens on a GPU, steps with
+  decodes within the stall-free budget of 512) and at max_num_batched_tokens 512 (every step
+  within 512), each in a fresh process.
 Each jdet row states its engine's pool and settings; each decode row its ratio to compiled
 PyTorch at the same context, each ttft row its ratio to SDPA at the same length. `env` records
 the device, date, versions and commit. `--smoke` (a CPU check; notebooks/06 reads its JSON in
-CI) runs every part but the GPU-only torch anchor at the tiny shape: a 2 x 2 sweep, a 48-token
-prompt, SDPA on the CPU.
+CI) runs start, decode, ttft and sdpa at the tiny shape: a 2 x 2 sweep, a 48-token prompt, SDPA
+on the CPU; `--smoke --parts offline,itl` runs those at the tiny shape with a few requests (one
+itl engine: 512 is a CPU's default), the roofline from the CPU's own ceilings.
 """
 
 from __future__ import annotations
@@ -46,6 +63,11 @@ SWEEP_SEQS = (1, 8, 16, 64, 256)
 SWEEP_POOLS = (None, 1024, 16384)  # None: the engine sizes it (serving/engine/memory.py)
 SMOKE_SEQS, SMOKE_POOLS = (1, 8), (None, 2048)
 TTFT_LENS, SMOKE_TTFT_LENS = (2048, 8192, 32768), (48,)
+# the offline mixed workload and the Poisson load (module docstring); smoke: the tiny shape's
+OFFLINE = {"n": 256, "prompt": (128, 1024), "output": (64, 512), "max_len": 8192}
+SMOKE_OFFLINE = {"n": 8, "prompt": (8, 48), "output": (4, 12), "max_len": 128}
+ITL = {"n": 128, "prompt": (256, 1536), "output": (64, 128), "rates": (4.0, 16.0), "max_len": 2048}
+SMOKE_ITL = {"n": 8, "prompt": (8, 48), "output": (4, 8), "rates": (50.0,), "max_len": 128}
 
 
 def _model(shape: str, max_len: int) -> Any:
@@ -72,7 +94,7 @@ def _decode_ms(llm: Any, ctx: int, rng: np.random.Generator, steps: int = 128) -
 
 
 def _engine_row(llm: Any, **extra: Any) -> dict:
-    e = llm.engine
+    e = getattr(llm, "engine", llm)  # a jdet.LLM or an Engine
     return {"num_pages": e.page_manager.num_pages, "max_model_len": e.max_model_len,
             "max_num_seqs": e.config.max_num_seqs,
             "max_num_batched_tokens": e.config.max_num_batched_tokens,
@@ -155,6 +177,106 @@ def ttft(shape: str, smoke: bool) -> list[dict]:
     `decode`)."""
     budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 512}]
     return _fresh_engines("ttft", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in budgets])
+
+
+def _roofline(model: Any, prompt: int, output: int, requests: int, steps: int,
+              ceil: dict) -> dict:  # fmt: skip
+    """A lower bound on the offline workload's wall time from the hardware (module docstring):
+    compute, 2 x the weights' elements x the tokens each passes (the body: every prompt token and
+    every output token but each request's last; the LM head: each output token), at the bf16
+    matmul peak; memory, `steps` steps that each read every weight once, at the copy bandwidth.
+    The embedding (gathered, not multiplied) counts only where it is tied (it is the LM head)."""
+    import jax
+
+    from benchmarks.decode_bench import step_bytes
+
+    w, _ = step_bytes(model, 1, 0)  # the bytes a step streams
+    head = model.params["embed"].size
+    elems = sum(x.size for x in jax.tree_util.tree_leaves(model.params))
+    body = elems - head - (0 if model.cfg.tie_word_embeddings else model.params["lm_head"].size)
+    flops = 2.0 * body * (prompt + output - requests) + 2.0 * head * output
+    compute = flops / (ceil["peak_TFLOPs"] * 1e12)
+    memory = steps * w / (ceil["copy_GBps"] * 1e9)
+    return {"flops": flops, "weight_bytes": w, "min_steps": steps, **ceil,
+            "roofline_compute_s": compute, "roofline_memory_s": memory,
+            "roofline_s": max(compute, memory)}  # fmt: skip
+
+
+def _offline_child(shape: str, kw: dict, smoke: bool) -> None:
+    """The offline mixed workload through one `jdet.LLM` in this (fresh) process: its row, with
+    the roofline from ceilings measured here before the engine takes the memory."""
+    import gc
+
+    import jdet
+    from benchmarks.matmul_bench import ceilings
+    from benchmarks.serve_bench import workload
+
+    w = SMOKE_OFFLINE if smoke else OFFLINE
+    sizes = (256, 1 << 22) if smoke else (8192, 1 << 29)  # smoke: the CPU's own figures
+    c = ceilings(*sizes)
+    ceil = {"peak_TFLOPs": c["xla_bf16_tflops"], "copy_GBps": c["copy_gbps"],
+            "ceilings": f"bf16 {sizes[0]}^3 matmul, {sizes[1] >> 19} MiB copy in this process"}
+    gc.collect()
+    model = _model(shape, w["max_len"])
+    llm = jdet.LLM(model, warmup=True, **kw)  # every step shape compiled at the first call
+
+    def batch(n: int, seed: int) -> tuple[list, list]:
+        work = workload(n, w["prompt"], w["output"], model.cfg.vocab_size, seed)
+        sps = [jdet.SamplingParams(max_tokens=p["max_tokens"], temperature=0.0, ignore_eos=True)
+               for _, p in work]  # fmt: skip
+        return [ids for ids, _ in work], sps
+
+    llm.generate(*batch(min(16, w["n"]), seed=1), use_tqdm=False)  # the warm-up call
+    prompts, sps = batch(w["n"], seed=0)
+    e = llm.engine
+    steps, preempted = e.num_steps, e.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    gen, prompt = sum(len(o.outputs[0].token_ids) for o in outs), sum(map(len, prompts))
+    row = _engine_row(llm, part="offline", settings=kw, requests=len(outs), seconds=dt,
+                      prompt_tokens=prompt, output_tokens=gen, output_tok_per_s=gen / dt,
+                      total_tok_per_s=(gen + prompt) / dt, steps=e.num_steps - steps,
+                      preemptions=e.scheduler.num_preemptions - preempted)  # fmt: skip
+    row.update(_roofline(model, prompt, gen, len(outs), max(sp.max_tokens for sp in sps), ceil))
+    row["vs_roofline"] = dt / row["roofline_s"]
+    print(json.dumps(row), flush=True)
+
+
+def offline(shape: str, smoke: bool) -> list[dict]:
+    """invariance "tp" (the default) and "none", each engine in a fresh process."""
+    modes = ({"invariance": "tp"}, {"invariance": "none"})
+    return _fresh_engines("offline", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in modes])
+
+
+def _itl_child(shape: str, kw: dict, smoke: bool) -> None:
+    """One engine built as `jdet serve` builds it (serving/http/launch.py) and warmed as its
+    engine thread warms it before /health answers ready, in this (fresh) process, under Poisson
+    load at each rate: a row per rate."""
+    from benchmarks.serve_bench import poisson_run, workload
+    from jdet.settings import EngineConfig
+    from serving.engine.engine import Engine
+
+    w = SMOKE_ITL if smoke else ITL
+    model = _model(shape, w["max_len"])
+    eng = Engine(model, EngineConfig(**kw), keep_raw_metrics=True)  # p50/p99 from every sample
+    warm = eng.warmup("step")
+    for i, rate in enumerate(w["rates"]):  # a seed per rate: no prompt is a cached prefix
+        r = poisson_run(eng, workload(w["n"], w["prompt"], w["output"], model.cfg.vocab_size,
+                                      seed=7 + i), rate)  # fmt: skip
+        lat = {f"{k}_ms": v * 1e3 for k, v in r.items()
+               if k.startswith(("ttft", "itl", "e2e")) and v is not None}  # fmt: skip
+        row = _engine_row(eng, part="itl", settings=kw, scheduling=eng.config.scheduling,
+                          stall_free_budget=eng.config.stall_free_budget, warmup_s=warm,
+                          rate_req_s=rate, requests=r["requests"], seconds=r["seconds"], **lat,
+                          preemptions=r["preemptions"])  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
+def itl(shape: str, smoke: bool) -> list[dict]:
+    """At the defaults and at max_num_batched_tokens 512, each engine in a fresh process."""
+    budgets = [{}] if smoke else [{}, {"max_num_batched_tokens": 512}]  # a CPU's default: 512
+    return _fresh_engines("itl", shape, [(kw, {"kw": kw, "smoke": smoke}) for kw in budgets])
 
 
 def tp_sizes(smoke: bool) -> list[int]:
@@ -259,7 +381,8 @@ def environment() -> dict:
 
 def ratios(result: dict) -> None:
     """Each decode row's ratio to compiled PyTorch's pipelined step at its context; each ttft
-    row's to SDPA at its prompt length."""
+    row's to SDPA at its prompt length; each tp row's to TP 1; each offline row's output tok/s
+    to that of "none" (a throughput ratio: above 1 is faster)."""
     bar = {r["ctx"]: r.get("pipelined_step_s") for r in result.get("torch", []) if "ctx" in r}
     for r in result.get("decode", []):
         if bar.get(r.get("ctx")):
@@ -274,9 +397,14 @@ def ratios(result: dict) -> None:
     for r in result.get("ttft", []):
         if sdpa.get(r.get("prompt")):
             r["vs_sdpa"] = r["ttft_ms"] / sdpa[r["prompt"]]
+    none = [r for r in result.get("offline", []) if r.get("invariance") == "none"]
+    for r in result.get("offline", []):
+        if none and none[0].get("output_tok_per_s") and r.get("output_tok_per_s"):
+            r["vs_none"] = r["output_tok_per_s"] / none[0]["output_tok_per_s"]
 
 
-PARTS = ("start", "decode", "ttft", "sdpa", "torch", "tp")
+PARTS = ("start", "decode", "ttft", "sdpa", "torch", "tp", "offline", "itl")
+SMOKE_PARTS = ("start", "decode", "ttft", "sdpa")  # the record notebooks/06 reads in CI
 
 
 def run(
@@ -296,6 +424,8 @@ def run(
         ("ttft", lambda: ttft(shape, smoke)),
         ("sdpa", lambda: sdpa_anchor(shape, smoke)),
         ("tp", lambda: tp(shape, smoke)),
+        ("offline", lambda: offline(shape, smoke)),
+        ("itl", lambda: itl(shape, smoke)),
     ]
     if not smoke:  # the GPU-only anchor
         parts.append(("torch", lambda: torch_anchor(shape, out)))
@@ -349,13 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few tokens (CPU check)")
     ap.add_argument("--parts", help="comma-separated subset of " + ",".join(PARTS)
-                    + " (default: all; with --smoke all but tp)")  # fmt: skip
+                    + " (default: all; with --smoke " + ",".join(SMOKE_PARTS) + ")")  # fmt: skip
     ap.add_argument("--shard", default="0/1",
                     help="I/N: only every N-th setting of the decode sweep from the I-th")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="join these runs' user_bench.json into OUT/user_bench.json, run nothing")
     ap.add_argument("--decode-child", help=argparse.SUPPRESS)
     ap.add_argument("--ttft-child", help=argparse.SUPPRESS)
+    ap.add_argument("--offline-child", help=argparse.SUPPRESS)
+    ap.add_argument("--itl-child", help=argparse.SUPPRESS)
     ap.add_argument("--sdpa-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--lens", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -367,13 +499,18 @@ def main(argv: list[str] | None = None) -> int:
         c = json.loads(a.ttft_child)
         _ttft_child(a.shape, c["kw"], c["smoke"], tuple(c.get("lens", ())))
         return 0
+    for child, fn in ((a.offline_child, _offline_child), (a.itl_child, _itl_child)):
+        if child:
+            c = json.loads(child)
+            fn(a.shape, c["kw"], c["smoke"])
+            return 0
     if a.sdpa_child:
         _sdpa_child(a.shape, [int(n) for n in a.lens.split(",")])
         return 0
     if a.merge:
         merge(a.merge, a.out)
         return 0
-    parts = tuple(a.parts.split(",")) if a.parts else PARTS[:-1] if a.smoke else PARTS
+    parts = tuple(a.parts.split(",")) if a.parts else SMOKE_PARTS if a.smoke else PARTS
     if unknown := set(parts) - set(PARTS):
         ap.error(f"unknown --parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     i, n = (int(v) for v in a.shard.split("/"))
