@@ -204,3 +204,10 @@ def default_step_tokens() -> int:
     steps that carry decodes keep the stall-free budget of 512. On a CPU 512: every bucket is
     compiled before serving and a CPU step of 512 tokens already takes seconds."""
     return GPU_STEP_TOKENS if backend().gpu else CPU_STEP_TOKENS
+
+
+def with_step_tokens(config: EngineConfig) -> EngineConfig:
+    """`config` with max_num_batched_tokens set: `default_step_tokens()` where it is unset."""
+    if config.max_num_batched_tokens is not None:
+        return config
+    return dataclasses.replace(config, max_num_batched_tokens=default_step_tokens())

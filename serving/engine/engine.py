@@ -37,7 +37,7 @@ from typing import Any
 
 from jdet import compile_cache as cc
 from jdet.plan import Plan
-from jdet.settings import EngineConfig, default_step_tokens, resolve_async
+from jdet.settings import EngineConfig, resolve_async, with_step_tokens
 from jdet.spec_config import SpeculativeConfig
 from serving.engine import faults
 from serving.engine.admission import Admission
@@ -79,18 +79,14 @@ class Engine:
         (serving/speculative/speculator.py). `step_fn`, `sharded`, `watermark`, `keep_raw_metrics`:
         for tests and benchmarks."""
         config = dataclasses.replace(config or EngineConfig(), **settings)
-        if config.max_num_batched_tokens is None:  # the backend's default (jdet/settings.py)
-            config = dataclasses.replace(config, max_num_batched_tokens=default_step_tokens())
-        self.config = config
+        self.config = config = with_step_tokens(config)  # unset: the backend's default
         self.compile_cache_dir = cc.enable(config.compile_cache)
         cc.install_counter()
         # the reduction plan, validated here once: kernels, padding, TP runtime, fingerprint
         self.plan = Plan(model.cfg, config.invariance, config.tp)
         self.invariance = self.plan.invariance
         if min(config.max_num_batched_tokens, config.stall_free_budget, config.max_num_seqs) < 1:
-            raise ValueError(
-                "max_num_batched_tokens, stall_free_budget and max_num_seqs must be >= 1"
-            )
+            raise ValueError("max_num_batched_tokens, stall_free_budget, max_num_seqs must be >= 1")
         page_size = config.page_size
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
