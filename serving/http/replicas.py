@@ -155,26 +155,38 @@ class ReplicaSet:
                                   r.index, r.proc.returncode, wait)  # fmt: skip
                     elif time.monotonic() >= r.next_start:
                         self.start(r)
-            await asyncio.gather(*(self.check(r, client) for r in self.replicas if r.alive))
+            alive = [r for r in self.replicas if r.alive]
+            answers = await asyncio.gather(*(self.ask(r, client) for r in alive))
+            for r, answer in zip(alive, answers, strict=True):  # no await from here to decide():
+                self.check(r, answer)  # /health never sees a round half applied
             self.decide()
             await asyncio.sleep(self.health.interval)
 
-    async def check(self, r: Replica, client: httpx.AsyncClient) -> None:
-        """One /health of `r`: whether it answers 200 and with which fingerprint."""
+    async def ask(self, r: Replica, client: httpx.AsyncClient) -> tuple[int, dict] | None:
+        """`r`'s /health: (status code, body), or None when it did not answer."""
         try:
             resp = await client.get(r.base + "/health", timeout=self.health.timeout)
-            body = resp.json()
+            return resp.status_code, resp.json()
         except (httpx.HTTPError, ValueError):
+            return None
+
+    def check(self, r: Replica, answer: tuple[int, dict] | None) -> None:
+        """Apply one /health answer of `r` (`ask`): whether it answers 200 and with which
+        fingerprint. Applied with the round's others just before `decide`, never across an
+        await: a /health of the router in between saw a replica's new status beside its old
+        readiness (the status "ok" of one whose fingerprint differs)."""
+        if answer is None:
             # a busy replica may answer late; a dead one is caught by its exit or a lost request
             r.misses += 1
             if r.status == "starting" or r.misses >= self.health.misses:
                 r.healthy = False
                 r.status = "starting" if r.status == "starting" else "unreachable"
             return
+        code, body = answer
         r.misses = 0
         r.fingerprint = body.get("system_fingerprint")
-        r.healthy = resp.status_code == 200 and r.fingerprint is not None
-        r.status = body.get("status", str(resp.status_code))
+        r.healthy = code == 200 and r.fingerprint is not None
+        r.status = body.get("status", str(code))
 
     def decide(self) -> None:
         """Which replicas serve: the healthy ones that report the fingerprint most healthy
