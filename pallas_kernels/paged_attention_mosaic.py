@@ -34,6 +34,7 @@ page index read as a scalar from the tile's page table (`attention_meta`'s `pt`)
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -100,7 +101,7 @@ def _kernel(layer_ref, bounds_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, 
         if interpret:  # the interpreter has no `plgpu.load` (layouts mean nothing there)
             lim = lim_smem[...]
         else:
-            lim = plgpu.load(lim_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            lim = _load(plgpu, lim_smem, plgpu.Layout.WGMMA.reduce(1))
 
         def lay(x, layout):  # the interpreter has no layouts
             return x if interpret else plgpu.layout_cast(x, layout)
@@ -210,6 +211,15 @@ def _kernel(layer_ref, bounds_ref, pt_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, 
             slot = lax.rem(i, jnp.int32(steps))
             plgpu.barrier_wait(k_used.at[slot])
             plgpu.barrier_wait(v_used.at[slot])
+
+
+def _load(plgpu, ref, layout):
+    """`plgpu.load` of a whole ref: JAX 0.10 wants the index, later JAXes deprecate (and then
+    drop) it."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def _dot(a, b, b_contract: int):
