@@ -213,6 +213,7 @@ def main(argv: list[str]) -> None:
     b = Bench(a)
     tokens = [int(x) for x in a.tokens.split(",") if x]
     if a.cudnn:
+        b.name = "cudnn"
         for n in tokens:
             b.record("cudnn", lambda n=n: b.cudnn(n))
         return
