@@ -9,7 +9,9 @@ differs ('contig': one [block_kv, E] copy per block; 'paged': block_kv / 16 copi
 from a permuted page pool, the page index read from the page table in GMEM).
 
 Usage (Hopper GPU): PYTHONPATH=. python -m benchmarks.paged_tma_probe --out $OUT
-Writes paged_tma_probe.json: ms and TFLOP/s per (tokens, mode, block_kv), and cuDNN's.
+Writes paged_tma_probe.json: per (mode, block_kv) a check against an f32 reference at
+--check-tokens (allclose; a failing candidate is not timed), then ms and TFLOP/s per (tokens,
+mode, block_kv) beside cuDNN's, with the largest difference from cuDNN's output.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def attention(q, k, v, pt, *, block_kv: int, steps: int, paged: bool):
 
     out = plgpu.kernel(
         entry,
-        out_shape=jax.ShapeDtypeStruct(qt.shape, dtype),
+        out_type=jax.ShapeDtypeStruct(qt.shape, dtype),  # `out_shape` is gone in JAX 0.11
         grid=(h, t // (2 * block_q)),
         grid_names=("heads", "q_seq"),
         num_threads=3,
@@ -178,52 +180,108 @@ def attention(q, k, v, pt, *, block_kv: int, steps: int, paged: bool):
     return out.transpose(1, 0, 2)
 
 
-def run(out_dir: str, tokens: list[int], block_kvs: list[int], steps: int) -> list[dict]:
+def reference(q, k, v):
+    """f32 non-causal attention of q[T, H, E] over k, v [K, N, E] (the accuracy oracle)."""
+    t, h, e = q.shape
+    kh = k.shape[0]
+    qg = q.astype(jnp.float32).reshape(t, kh, h // kh, e)
+    s = jnp.einsum("tkge,kne->tkgn", qg, k.astype(jnp.float32)) * e**-0.5
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("tkgn,kne->tkge", p, v.astype(jnp.float32)).reshape(t, h, e)
+
+
+def _case(n: int, h: int, kh: int, e: int):
+    key = jax.random.split(jax.random.PRNGKey(n), 4)
+    q = jax.random.normal(key[0], (n, h, e), jnp.bfloat16)
+    kc = jax.random.normal(key[1], (kh, n, e), jnp.bfloat16)
+    vc = jax.random.normal(key[2], (kh, n, e), jnp.bfloat16)
+    perm = jax.random.permutation(key[3], n // PAGE).astype(jnp.int32)
+    # pool[:, perm[i]] holds the sequence's page i
+    inv = jnp.argsort(perm)
+    kp = kc.reshape(kh, n // PAGE, PAGE, e)[:, inv]
+    vp = vc.reshape(kh, n // PAGE, PAGE, e)[:, inv]
+    return q, kc, vc, kp, vp, perm
+
+
+def _probe_fn(bk: int, steps: int, paged: bool):
+    return jax.jit(lambda q, k, v, pt: attention(q, k, v, pt, block_kv=bk, steps=steps,
+                                                 paged=paged))  # fmt: skip
+
+
+def run(out_dir: str, tokens: list[int], block_kvs: list[int], steps: int,
+        modes: tuple[str, ...] = ("contig", "paged"),
+        check_tokens: int = 1024) -> list[dict]:  # fmt: skip
+    """Each candidate alone in try/except, its row printed and the JSON rewritten as it ends:
+    first checked against `reference` at `check_tokens` (allclose; a failing candidate is not
+    timed), then timed at each length beside cuDNN (and compared with cuDNN's output)."""
     from benchmarks.timing import median_seconds
 
     h, kh, e = 32, 8, 128
-    rows = []
+    rows: list[dict] = []
+    os.makedirs(out_dir, exist_ok=True)
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
+        if "error" in row:
+            print(row["error"][-800:], file=sys.stderr, flush=True)
+        with open(os.path.join(out_dir, "paged_tma_probe.json"), "w") as fh:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "rows": rows}, fh, indent=1)  # fmt: skip
+
+    ok: dict[tuple, bool] = {}
+    q, kc, vc, kp, vp, perm = _case(check_tokens, h, kh, e)
+    ref = reference(q, kc, vc)
+    for bk in block_kvs:
+        for mode in modes:
+            paged = mode == "paged"
+            row = {"tokens": check_tokens, "impl": mode, "block_kv": bk, "stage": "check"}
+            try:
+                args = (q, kp, vp, perm) if paged else (q, kc, vc, perm)
+                out = jax.block_until_ready(_probe_fn(bk, steps, paged)(*args))
+                err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+                row["max_abs_err"] = err
+                row["allclose"] = bool(jnp.allclose(out.astype(jnp.float32), ref, atol=2e-2,
+                                                    rtol=2e-2))  # fmt: skip
+            except Exception:  # noqa: BLE001
+                row["allclose"] = False
+                row["error"] = traceback.format_exc()[-4000:]
+            ok[(bk, mode)] = row["allclose"]
+            emit(row)
     for n in tokens:
-        key = jax.random.split(jax.random.PRNGKey(n), 4)
-        q = jax.random.normal(key[0], (n, h, e), jnp.bfloat16)
-        kc = jax.random.normal(key[1], (kh, n, e), jnp.bfloat16)
-        vc = jax.random.normal(key[2], (kh, n, e), jnp.bfloat16)
-        perm = jax.random.permutation(key[3], n // PAGE).astype(jnp.int32)
-        # pool[:, perm[i]] holds the sequence's page i
-        inv = jnp.argsort(perm)
-        kp = kc.reshape(kh, n // PAGE, PAGE, e)[:, inv]
-        vp = vc.reshape(kh, n // PAGE, PAGE, e)[:, inv]
+        q, kc, vc, kp, vp, perm = _case(n, h, kh, e)
         flops = 4 * h * e * n * n
-        ref = None
+        cud = cud_ms = None
         try:
             f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 q[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None],
                 scale=e**-0.5, implementation="cudnn")[0])  # fmt: skip
             t = median_seconds(f, q, kc, vc, iters=10, reps=3, warmup=2)
-            ref = f(q, kc, vc)
-            rows.append({"tokens": n, "impl": "cudnn", "ms": t * 1e3, "TFLOPs": flops / t / 1e12})
+            cud = f(q, kc, vc).astype(jnp.float32)
+            cud_ms = t * 1e3
+            emit({"tokens": n, "impl": "cudnn", "ms": t * 1e3, "TFLOPs": flops / t / 1e12})
         except Exception:  # noqa: BLE001
-            rows.append({"tokens": n, "impl": "cudnn", "error": traceback.format_exc()[-1500:]})
+            emit({"tokens": n, "impl": "cudnn", "error": traceback.format_exc()[-1500:]})
         for bk in block_kvs:
-            for paged in (False, True):
-                row = {"tokens": n, "impl": "paged" if paged else "contig", "block_kv": bk}
+            for mode in modes:
+                paged = mode == "paged"
+                row = {"tokens": n, "impl": mode, "block_kv": bk}
+                if not ok[(bk, mode)]:
+                    emit({**row, "skipped": "failed the check"})
+                    continue
                 try:
-                    f = jax.jit(lambda q, k, v, pt, bk=bk, paged=paged: attention(
-                        q, k, v, pt, block_kv=bk, steps=steps, paged=paged))  # fmt: skip
+                    f = _probe_fn(bk, steps, paged)
                     args = (q, kp, vp, perm) if paged else (q, kc, vc, perm)
+                    if cud is not None:
+                        err = jnp.max(jnp.abs(f(*args).astype(jnp.float32) - cud))
+                        row["max_abs_err_vs_cudnn"] = float(err)
                     t = median_seconds(f, *args, iters=10, reps=3, warmup=2)
                     row.update(ms=t * 1e3, TFLOPs=flops / t / 1e12)
-                    if ref is not None:
-                        err = jnp.max(jnp.abs(f(*args).astype(jnp.float32) - ref))
-                        row["max_abs_err_vs_cudnn"] = float(err)
+                    if cud_ms is not None:
+                        row["x_cudnn"] = cud_ms / row["ms"]  # 1: cuDNN's speed
                 except Exception:  # noqa: BLE001
-                    row["error"] = traceback.format_exc()[-1500:]
-                print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
-                rows.append(row)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "paged_tma_probe.json"), "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "rows": rows}, fh, indent=1)  # fmt: skip
+                    row["error"] = traceback.format_exc()[-4000:]
+                emit(row)
     return rows
 
 
@@ -233,6 +291,9 @@ if __name__ == "__main__":
     p.add_argument("--tokens", default="8192,32768")
     p.add_argument("--block-kv", default="64,128")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--modes", default="contig,paged")
+    p.add_argument("--check-tokens", type=int, default=1024)
     a = p.parse_args(sys.argv[1:])
-    run(a.out, [int(x) for x in a.tokens.split(",")], [int(x) for x in a.block_kv.split(",")],
-        a.steps)  # fmt: skip
+    run(a.out, [int(x) for x in a.tokens.split(",") if x],
+        [int(x) for x in a.block_kv.split(",")], a.steps, tuple(a.modes.split(",")),
+        a.check_tokens)  # fmt: skip
