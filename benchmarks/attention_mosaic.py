@@ -50,10 +50,12 @@ class Bench:
         self.scale = self.e**-0.5
         bk, ps, mask_all, cons = ([int(x) for x in a.variant.split(",")] + [1])[:4]
         self.kw = dict(scale=self.scale, partition_size=ps, block_kv=bk, mask_all=bool(mask_all),
-                       steps=a.steps, consumers=cons)  # fmt: skip
+                       steps=a.steps, consumers=cons, structure=a.structure)  # fmt: skip
         if a.tiny:
             self.kw["interpret"] = True
         self.name = f"bk{bk}|ps{ps}|mask_all{mask_all}|consumers{cons}|steps{a.steps}"
+        if a.structure != "looped":
+            self.name += f"|{a.structure}"
         os.makedirs(a.out, exist_ok=True)
         self.path = os.path.join(a.out, "attention_mosaic.jsonl")
 
@@ -200,6 +202,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--variant", default="64,256,0",
                    help="block_kv,partition_size,mask_all[,consumers (1, 2)]")
     p.add_argument("--steps", type=int, default=2, help="pipeline slots (not bits)")
+    p.add_argument("--structure", default="looped", help="looped, split or auto (not bits)")
     p.add_argument("--heads", default="32,8")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--check-tokens", type=int, default=2048)

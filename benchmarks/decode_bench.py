@@ -333,9 +333,8 @@ def kernel_rows(model: Any, ceil: dict, ctx: int) -> list[dict]:
     import jax.numpy as jnp
 
     from benchmarks.matmul_bench import _time_op
-    from jdet.ops import none_partition
     from pallas_kernels import matmul, paged_attention, rms_norm, tree_matmul
-    from pallas_kernels.paged_attention import paged_attention_xla
+    from pallas_kernels.paged_attention import none_partition, paged_attention_xla
 
     c = model.cfg
     D, H, K, E, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size

@@ -37,8 +37,13 @@ from pallas_kernels import (
 )
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.decode_tiles import DecodeTiles
-from pallas_kernels.paged_attention import AttentionConfig, _pad_rows, paged_attention_xla
-from pallas_kernels.paged_attention_pallas import attention_meta
+from pallas_kernels.paged_attention import (
+    AttentionConfig,
+    _pad_rows,
+    none_partition,
+    paged_attention_xla,
+    step_attention_meta,
+)
 from pallas_kernels.rms_norm import add_rms_norm, head_rms_norm
 from pallas_kernels.rope_kv import QueryTiles, rope_kv
 from pallas_kernels.tree_matmul import tree_matmul_parts
@@ -64,21 +69,6 @@ def check_mode(invariance: str) -> str:
     if invariance not in MODES:
         raise ValueError(f"invariance={invariance!r} is not a mode; use one of {MODES}")
     return invariance
-
-
-def none_partition(t: int, page_table_shape: tuple, cache_shape: tuple, target: int = 256) -> int:
-    """KV partition of the "none" mode's paged attention: the split a fast non-invariant engine
-    would pick from the step's (static) shapes — about `target` programs (query tiles x kv heads
-    x partitions), partitions of 64..512 tokens. Batch-1 decode at 1k context gets 64-token
-    partitions (16x the programs of the invariant plan's fixed 512); large batches get 512."""
-    s, pmax = page_table_shape
-    kv_heads, page = cache_shape[-4], cache_shape[-2]
-    tiles = max(s, t // 16)
-    want = tiles * kv_heads * pmax * page // target
-    ps = max(64, page)
-    while ps < min(want, 512):
-        ps *= 2
-    return ps
 
 
 def _xla_matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
@@ -143,6 +133,10 @@ class Ops:
     # matmuls spread a decode's few rows over CTAs (`DecodeTiles`, which `row_pad` follows):
     # kernel configs that never change a value or an order; benchmarks vary them.
     attn_config: AttentionConfig = AttentionConfig()
+    # The invariant modes' paged attention on Hopper is the Mosaic GPU family
+    # (pallas_kernels/paged_attention_mosaic.py: TMA + wgmma, version 2 of the plan, other bits
+    # than the Triton kernel's); False keeps the Triton kernel there (a benchmark's control).
+    attn_mosaic: bool = True
     decode_tiles: DecodeTiles = DecodeTiles()
     # Qwen3's q/k head norms read from the fused projection's rows in one launch (`head_norms`,
     # the same bits); False slices and normalises them as separate ops.
@@ -316,11 +310,16 @@ class Ops:
         ps = self._attn_partition(t, batch, kv)
         if ps is None:
             return None
-        _, kh, num_pages, page_size, _ = kv["k"].shape
-        return attention_meta(
+        return step_attention_meta(
             batch.page_table, batch.context_lens, batch.query_start, batch.positions, t=t,
-            g=q_heads // kh, num_pages=num_pages, page_size=page_size, partition_size=ps,
+            q_heads=q_heads, cache_shape=kv["k"].shape, partition_size=ps,
+            kernel=self.attn_kernel(),
         )  # fmt: skip
+
+    def attn_kernel(self) -> str:
+        """The Pallas paged attention's family: "mosaic" for the invariant modes on Hopper."""
+        hopper = self.invariant and self.attn_mosaic and backend().hopper
+        return "mosaic" if hopper else "triton"
 
     def fuses_rope_kv(self, meta: dict | None) -> bool:
         """Whether the model runs `rope_kv` this step: the flag is on and the Pallas attention
@@ -378,6 +377,7 @@ class Ops:
                 batch.positions, scale=scale, partition_size=ps or self.attn_partition,
                 layer=layer, meta=meta, out_rows=out_rows, q_heads=q_heads,
                 direct_out=bool(self.attn_direct_out), config=self.attn_config,
+                kernel=self.attn_kernel(),
             )  # fmt: skip
         if q_heads is not None:
             raise ValueError("query tiles (rope_kv) need the Pallas paged attention")

@@ -75,7 +75,10 @@ from pallas_kernels.paged_attention_kernels import (
     _check,
     default_block_kv,
 )
-from pallas_kernels.paged_attention_pallas import _paged_attention_pallas
+from pallas_kernels.paged_attention_mosaic import BLOCK_KV as MOSAIC_BLOCK_KV
+from pallas_kernels.paged_attention_mosaic import CONSUMERS as MOSAIC_CONSUMERS
+from pallas_kernels.paged_attention_mosaic import launch_plan, paged_attention_mosaic
+from pallas_kernels.paged_attention_pallas import _paged_attention_pallas, attention_meta
 
 
 def paged_attention(
@@ -101,6 +104,7 @@ def paged_attention(
     q_heads: int | None = None,
     direct_out: bool = False,
     config: AttentionConfig = DEFAULT_CONFIG,
+    kernel: str = "triton",
 ) -> jax.Array:
     """Causal attention of q[T, H, E] over the paged cache, bitwise invariant (module docstring).
 
@@ -114,10 +118,22 @@ def paged_attention(
     XLA version takes q[T, H, E] only and refuses it. `direct_out`: the Pallas merge kernel
     writes the final rows itself (`_paged_attention_pallas`); the XLA version ignores it, and
     `config` (`AttentionConfig`: how the Pallas kernels load and launch, never their bits).
+    `kernel`: the Pallas kernel family, "triton" (this module's plan) or "mosaic" (Hopper:
+    pallas_kernels/paged_attention_mosaic.py, version 2 of the plan, other bits; its `meta` is
+    cut for its `launch_plan`, and `block_rows`, `direct_out` and `config` do not apply).
     """
+    if kernel not in ("triton", "mosaic"):
+        raise ValueError(f"paged_attention: kernel must be 'triton' or 'mosaic', got {kernel!r}")
     if _platform.resolve(backend, "paged_attention") == "pallas":
         if k_cache.dtype == jnp.uint16:  # CPU storage of a 16-bit cache (jdet/kv_cache.py)
             k_cache, v_cache = as_float(k_cache, q.dtype), as_float(v_cache, q.dtype)
+        if kernel == "mosaic":
+            return paged_attention_mosaic(
+                q, k_cache, v_cache, page_table, context_lens, query_start, positions,
+                scale=float(scale), partition_size=partition_size, layer=layer,
+                block_kv=block_kv or MOSAIC_BLOCK_KV, structure=structure,
+                consumers=MOSAIC_CONSUMERS, meta=meta, q_heads=q_heads, out_rows=out_rows,
+            )  # fmt: skip
         return _paged_attention_pallas(
             q, k_cache, v_cache, page_table, context_lens, query_start, positions,
             scale=scale, partition_size=partition_size, layer=layer, block_kv=block_kv,
@@ -146,6 +162,36 @@ def paged_attention(
         scale=float(scale), block_kv=bk, layer=layer,
     )  # fmt: skip
     return _pad_rows(out, out_rows)
+
+
+def none_partition(t: int, page_table_shape: tuple, cache_shape: tuple, target: int = 256) -> int:
+    """KV partition of the "none" mode's paged attention: the split a fast non-invariant engine
+    would pick from the step's (static) shapes — about `target` programs (query tiles x kv heads
+    x partitions), partitions of 64..512 tokens. Batch-1 decode at 1k context gets 64-token
+    partitions (16x the programs of the invariant plan's fixed 512); large batches get 512."""
+    s, pmax = page_table_shape
+    kv_heads, page = cache_shape[-4], cache_shape[-2]
+    tiles = max(s, t // 16)
+    want = tiles * kv_heads * pmax * page // target
+    ps = max(64, page)
+    while ps < min(want, 512):
+        ps *= 2
+    return ps
+
+
+def step_attention_meta(page_table, context_lens, query_start, positions, *, t: int,
+                        q_heads: int, cache_shape: tuple, partition_size: int,
+                        kernel: str = "triton") -> dict:  # fmt: skip
+    """`attention_meta` cut for the tiles the family `kernel` runs: ROWS rows for the Triton
+    kernels, 64 per consumer warpgroup of the Mosaic launch (its `launch_plan`, from static
+    shapes). `cache_shape`: the stacked cache's [L, K, P, page, E]."""
+    _, kh, num_pages, page, e = cache_shape
+    rows = ROWS
+    if kernel == "mosaic":
+        rows *= launch_plan(t, page_table.shape, kh, q_heads // kh, e, page, partition_size)[1]
+    return attention_meta(page_table, context_lens, query_start, positions, t=t,
+                          g=q_heads // kh, num_pages=num_pages, page_size=page,
+                          partition_size=partition_size, block_rows=rows)  # fmt: skip
 
 
 def _pad_rows(x: jax.Array, rows: int | None) -> jax.Array:

@@ -180,60 +180,94 @@ def looped_tiles(q_tiles, k_pool, v_pool, pt, lim, bounds, layer, *, scale: floa
     )(layer, bounds, pt, lim, q_tiles, k_pool, v_pool)
 
 
+# The Hopper plan's fixed block (part of the bits) and the launch the engine runs (not bits):
+# 128-token blocks, two consumer warpgroups on a 128-row tile of one sequence where the looped
+# layout runs (benchmarks/attention_mosaic.py: 0.83-0.84x cuDNN flash at 8k-32k on an H200).
+BLOCK_KV = 128
+CONSUMERS = 2
+
+
+def launch_plan(t: int, page_table_shape: tuple, kv_heads: int, g: int, e: int, page: int,
+                partition_size: int, structure: str = "auto",
+                consumers: int = CONSUMERS) -> tuple[str, int]:  # fmt: skip
+    """(structure, consumers) from static shapes alone: "auto" takes
+    paged_attention_mosaic_decode's `auto_structure`; the split layout runs one consumer. The
+    query tiles then hold 64 * consumers rows (`attention_meta`'s `block_rows`). Never a bit."""
+    from pallas_kernels import paged_attention_mosaic_decode as dec
+
+    if structure == "auto":
+        structure = dec.auto_structure(t, page_table_shape, kv_heads, _next_pow2(g), e, page,
+                                       partition_size)  # fmt: skip
+    if structure not in ("split", "looped"):
+        raise ValueError(f"structure must be auto, split or looped; got {structure!r}")
+    return structure, 1 if structure == "split" else consumers
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "partition_size", "block_kv", "steps", "mask_all", "consumers",
-                     "structure", "reverse_merge", "interpret"),
+                     "structure", "reverse_merge", "interpret", "q_heads", "out_rows"),
 )
 def paged_attention_mosaic(q, k_cache, v_cache, page_table, context_lens, query_start, positions,
                            *, scale: float, partition_size: int = 512, layer=None,
                            block_kv: int = 64, steps: int = 2, mask_all: bool = False,
                            consumers: int = 1, structure: str = "looped",
-                           reverse_merge: bool = False, interpret=None) -> jax.Array:  # fmt: skip
+                           reverse_merge: bool = False, interpret=None, meta: dict | None = None,
+                           q_heads: int | None = None,
+                           out_rows: int | None = None) -> jax.Array:  # fmt: skip
     """Causal attention of q[T, H, E] over the paged cache (`paged_attention`'s arguments;
-    k/v caches [K, P, B, E], or [L, K, P, B, E] with `layer`). Returns [T, H, E]; rows of
-    padding tokens are zeros. `structure`: "looped" (this module's kernel), "split" (one
-    consumer: paged_attention_mosaic_decode's split kernel and merge) or "auto" (its
-    `auto_structure`); the same bits. `reverse_merge`: the split merge folds in decreasing order
-    (a negative control for the tests, never a plan). `interpret`: Mosaic GPU's interpreter."""
+    k/v caches [K, P, B, E], or [L, K, P, B, E] with `layer`). Returns [T, H, E] ([out_rows,
+    H, E] given `out_rows`); rows of padding tokens are zeros. `structure`: "looped" (this
+    module's kernel), "split" (one consumer: paged_attention_mosaic_decode's split kernel and
+    merge) or "auto" (`launch_plan`); the same bits. `meta`: the step's `attention_meta`, cut
+    for `launch_plan`'s 64 * consumers rows; `q_heads` (H): q is already its query tiles [NT,
+    K, rows, E] (pallas_kernels/rope_kv.py). `reverse_merge`: the split merge folds in
+    decreasing order (a negative control for the tests, never a plan). `interpret`: Mosaic
+    GPU's interpreter."""
     from pallas_kernels import paged_attention_mosaic_decode as dec
     from pallas_kernels.paged_attention_pallas import attention_meta
 
-    t, h, e = q.shape
     if layer is None:
         k_cache, v_cache = k_cache[None], v_cache[None]
         layer = jnp.int32(0)
-    _, kh, num_pages, page, _ = k_cache.shape
+    _, kh, num_pages, page, e = k_cache.shape
+    h = q.shape[1] if q_heads is None else q_heads
+    t = q.shape[0] if q_heads is None else meta["tok_tile"].shape[0]
     g = h // kh
     gp = _next_pow2(g)
-    if structure == "auto":
-        structure = dec.auto_structure(t, page_table.shape, kh, gp, e, page, partition_size)
-    consumers = 1 if structure == "split" else consumers
-    meta = attention_meta(page_table, context_lens, query_start, positions, t=t, g=g,
-                          num_pages=num_pages, page_size=page, partition_size=partition_size,
-                          block_rows=ROWS * consumers)  # fmt: skip
-    tok_c, lim, pt = meta["tok_c"], meta["lim"], meta["pt"]
-    nt, block_q = tok_c.shape
-    qg = q.reshape(t, kh, g, e)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    q_tiles = qg[tok_c].transpose(0, 2, 1, 3, 4).reshape(nt, kh, ROWS * consumers, e)
+    structure, consumers = launch_plan(t, page_table.shape, kh, g, e, page, partition_size,
+                                       structure, consumers)  # fmt: skip
+    if meta is None:
+        meta = attention_meta(page_table, context_lens, query_start, positions, t=t, g=g,
+                              num_pages=num_pages, page_size=page,
+                              partition_size=partition_size,
+                              block_rows=ROWS * consumers)  # fmt: skip
+    lim, pt = meta["lim"], meta["pt"]
+    if lim.shape[1] != ROWS * consumers:
+        raise ValueError(f"attention_meta cut {lim.shape[1]}-row tiles; the {structure} launch "
+                         f"runs {ROWS * consumers}: cut it with launch_plan's consumers")
+    nt, block_q = meta["tok_c"].shape
+    if q_heads is None:
+        qg = q.reshape(t, kh, g, e)
+        if gp != g:
+            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+        q = qg[meta["tok_c"]].transpose(0, 2, 1, 3, 4).reshape(nt, kh, ROWS * consumers, e)
     bounds = tile_bounds(lim, consumers)
     kw = dict(scale=scale, num_pages=num_pages, kv_heads=kh, block_kv=block_kv,
               partition_size=partition_size, steps=steps, mask_all=mask_all,
               interpret=interpret)  # fmt: skip
     kv = (k_cache.reshape(-1, page, e), v_cache.reshape(-1, page, e))
-    args = (q_tiles, *kv, pt, lim, bounds, jnp.asarray(layer, jnp.int32).reshape(1))
+    args = (q, *kv, pt, lim, bounds, jnp.asarray(layer, jnp.int32).reshape(1))
     if structure == "split":
         parts = dec.split_tiles(*args, **kw)
         out = dec.merge_tiles(*parts, bounds, dtype=q.dtype, block_kv=block_kv,
                               partition_size=partition_size, steps=steps,
                               reverse=reverse_merge, interpret=interpret)  # fmt: skip
-    elif structure == "looped":
-        out = looped_tiles(*args, consumers=consumers, **kw)
     else:
-        raise ValueError(f"structure must be auto, split or looped; got {structure!r}")
+        out = looped_tiles(*args, consumers=consumers, **kw)
     tok_ok, tok_tile, tok_row = meta["tok_ok"], meta["tok_tile"], meta["tok_row"]
     out = out.reshape(nt, kh, block_q, gp, e)[tok_tile, :, tok_row][:, :, :g]
-    out = jnp.where(tok_ok[:, None, None, None], out, jnp.zeros((), q.dtype))
-    return out.reshape(t, h, e)
+    out = jnp.where(tok_ok[:, None, None, None], out, jnp.zeros((), q.dtype)).reshape(t, h, e)
+    if out_rows is not None and out_rows > t:
+        out = jnp.pad(out, ((0, out_rows - t), (0, 0), (0, 0)))
+    return out
