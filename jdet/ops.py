@@ -133,10 +133,6 @@ class Ops:
     # matmuls spread a decode's few rows over CTAs (`DecodeTiles`, which `row_pad` follows):
     # kernel configs that never change a value or an order; benchmarks vary them.
     attn_config: AttentionConfig = AttentionConfig()
-    # The invariant modes' paged attention on Hopper is the Mosaic GPU family
-    # (pallas_kernels/paged_attention_mosaic.py: TMA + wgmma, version 2 of the plan, other bits
-    # than the Triton kernel's); False keeps the Triton kernel there (a benchmark's control).
-    attn_mosaic: bool = True
     decode_tiles: DecodeTiles = DecodeTiles()
     # Qwen3's q/k head norms read from the fused projection's rows in one launch (`head_norms`,
     # the same bits); False slices and normalises them as separate ops.
@@ -317,9 +313,9 @@ class Ops:
         )  # fmt: skip
 
     def attn_kernel(self) -> str:
-        """The Pallas paged attention's family: "mosaic" for the invariant modes on Hopper."""
-        hopper = self.invariant and self.attn_mosaic and backend().hopper
-        return "mosaic" if hopper else "triton"
+        """The Pallas paged attention's family: "mosaic" for the invariant modes on Hopper with
+        JDET_ATTENTION=mosaic (`Backend.mosaic_attention`), else "triton"."""
+        return "mosaic" if self.invariant and backend().mosaic_attention else "triton"
 
     def fuses_rope_kv(self, meta: dict | None) -> bool:
         """Whether the model runs `rope_kv` this step: the flag is on and the Pallas attention

@@ -143,7 +143,8 @@ class Backend:
     `platform`: the default device's ('cpu', 'gpu' or 'tpu'). `kernels`: the implementation the
     invariant modes run, whose bits differ from the others' (part of system_fingerprint):
     'xla-fixed-cpu' (`xla_fixed`; 'xla-fixed-cpu/8-row' without the small row blocks),
-    'pallas-interpret', 'mosaic-gpu' (Hopper), 'pallas-triton' or 'pallas-<platform>'.
+    'pallas-interpret', 'mosaic-gpu' (Hopper; 'mosaic-gpu+mosaic-attention' with
+    JDET_ATTENTION=mosaic), 'pallas-triton' or 'pallas-<platform>'.
     """
 
     platform: str
@@ -171,7 +172,14 @@ class Backend:
     @property
     def hopper(self) -> bool:
         """An sm_90 GPU, where the Mosaic GPU kernels run."""
-        return self.kernels == "mosaic-gpu"
+        return self.kernels.startswith("mosaic-gpu")
+
+    @property
+    def mosaic_attention(self) -> bool:
+        """Hopper with JDET_ATTENTION=mosaic: the invariant modes' paged attention is the Mosaic
+        GPU family (pallas_kernels/paged_attention_mosaic.py), other bits than the Triton
+        kernel's, so the name (and the fingerprint) says so."""
+        return self.kernels == MOSAIC_ATTENTION_KERNELS
 
     @property
     def small_row_blocks(self) -> bool:
@@ -179,16 +187,25 @@ class Backend:
         return self.kernels == "xla-fixed-cpu"
 
 
+# JDET_ATTENTION=mosaic (Hopper): the Mosaic GPU paged attention. Off by default: its prefill
+# is ~2x the Triton kernel's, but its split (decode) layout is slower at long contexts
+# (BENCHMARKS.md, "Prefill attention").
+ATTENTION_ENV = "JDET_ATTENTION"
+MOSAIC_ATTENTION_KERNELS = "mosaic-gpu+mosaic-attention"
+
+
 def backend() -> Backend:
-    """This process's `Backend`. Not cached: JDET_PALLAS_INTERPRET and JDET_SMALL_ROW_BLOCKS are
-    read when a kernel is traced (a jitted step keeps what it traced), and tests set them."""
+    """This process's `Backend`. Not cached: JDET_PALLAS_INTERPRET, JDET_SMALL_ROW_BLOCKS and
+    JDET_ATTENTION are read when a kernel is traced (a jitted step keeps what it traced), and
+    tests set them."""
     p = platform()
     if xla_fixed_default():
         kernels = "xla-fixed-cpu" if small_row_blocks() else "xla-fixed-cpu/8-row"
     elif interpret_default():
         kernels = "pallas-interpret"
     elif is_hopper():
-        kernels = "mosaic-gpu"
+        mosaic = os.environ.get(ATTENTION_ENV, "").strip().lower() == "mosaic"
+        kernels = MOSAIC_ATTENTION_KERNELS if mosaic else "mosaic-gpu"
     else:
         kernels = "pallas-triton" if p == "gpu" else f"pallas-{p}"
     return Backend(platform=p, kernels=kernels)

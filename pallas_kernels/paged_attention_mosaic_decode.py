@@ -43,22 +43,25 @@ from pallas_kernels.paged_attention_mosaic_body import (
 )
 from pallas_kernels.paged_attention_pallas import SPLIT_PARTIALS_MAX_BYTES, split_partials_bytes
 
-# structure="auto" splits while fewer (query tile x KV head) programs exist (the Triton
-# kernels' `AttentionConfig.split_below_programs`) and the partials fit SPLIT_PARTIALS_MAX_BYTES.
-SPLIT_BELOW_PROGRAMS = 4096
+# structure="auto" splits only a step of at most SPLIT_MAX_TOKENS tokens (the engine's smallest
+# bucket: decodes of up to 16 sequences) whose partials fit SPLIT_PARTIALS_MAX_BYTES; every other
+# step runs looped. Measured on an H200 (benchmarks/attention_steps.py, Llama-3-8B heads): the
+# split layout wins only for a few long decodes (B1 ctx 8k: 0.19 ms against 0.26-0.31 looped);
+# from 32 sequences (B32 ctx 1k, B64 ctx 2k) and for prompt chunks (512 tokens at ctx 8k: 0.32
+# against 0.72 ms) the looped launch is faster, as its partials never leave the SM.
+SPLIT_MAX_TOKENS = 16
 
 
 def auto_structure(t: int, page_table_shape: tuple, kh: int, gp: int, e: int, page: int,
                    partition_size: int) -> str:  # fmt: skip
-    """"split" or "looped" from static shapes alone (as paged_attention_pallas's
-    `auto_structure`): T tokens, S sequences x Pmax pages, the split layout's 64-row tiles.
-    Never a bit: both layouts run one partition body and one merge order."""
+    """"split" or "looped" from static shapes alone: T tokens, S sequences x Pmax pages, the
+    split layout's 64-row tiles. Never a bit: both layouts run one partition body and one merge
+    order."""
     s, pmax = page_table_shape
     nt = -(-t // max(1, ROWS // gp)) + s
     num_parts = max(1, -(-(pmax * page) // partition_size))
-    few = nt * kh < SPLIT_BELOW_PROGRAMS
     small = split_partials_bytes(nt, kh, num_parts, ROWS, e) <= SPLIT_PARTIALS_MAX_BYTES
-    return "split" if few and small else "looped"
+    return "split" if t <= SPLIT_MAX_TOKENS and small else "looped"
 
 
 def _transforms(dtype):

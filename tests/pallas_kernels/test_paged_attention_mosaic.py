@@ -54,14 +54,20 @@ def test_the_mosaic_kernel_lowers_for_cuda_on_a_cpu(block_kv, consumers, layers,
     assert sum("custom_call @mosaic_gpu" in ln for ln in text.splitlines()) == launches
 
 
-def test_auto_splits_few_long_decodes_and_loops_prefill():
+def test_auto_splits_only_the_smallest_decode_bucket():
+    from pallas_kernels.paged_attention_mosaic import launch_plan
     from pallas_kernels.paged_attention_mosaic_decode import auto_structure
 
     assert auto_structure(1, (1, 512), 8, 4, 128, 16, 256) == "split"  # B 1 ctx 8k
-    assert auto_structure(32, (32, 64), 8, 4, 128, 16, 256) == "split"  # B 32 ctx 1k
+    assert auto_structure(16, (16, 512), 8, 4, 128, 16, 256) == "split"  # the 16-token bucket
+    assert auto_structure(32, (32, 64), 8, 4, 128, 16, 256) == "looped"  # B 32 ctx 1k
+    assert auto_structure(512, (256, 512), 8, 4, 128, 16, 256) == "looped"  # a prompt chunk
     assert auto_structure(8192, (1, 512), 8, 4, 128, 16, 256) == "looped"  # prefill 8k
-    # few programs, but partials beyond the cap: looped
-    assert auto_structure(1024, (256, 8192), 1, 4, 128, 16, 256) == "looped"
+    # a decode bucket whose partials pass the cap: looped
+    assert auto_structure(16, (4096, 8192), 8, 4, 128, 16, 256) == "looped"
+    # the launch: one consumer split, two looped (query tiles of 64 rows per consumer)
+    assert launch_plan(16, (16, 512), 8, 4, 128, 16, 256) == ("split", 1)
+    assert launch_plan(8192, (1, 512), 8, 4, 128, 16, 256) == ("looped", 2)
 
 
 def test_the_tma_probe_lowers_for_cuda_on_a_cpu():
