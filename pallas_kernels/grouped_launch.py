@@ -18,6 +18,9 @@ block_k):
   the left (why a TP shard's subtree combines to the whole tree). A power of two dividing the
   plan's leaves. For the down projection of a decode step, whose 6 live leaves of 2 block_k
   steps would otherwise run one after another in one program.
+- order: "row" or "slot", which of the two kernels runs (the same bits: grouped_slots.py);
+  None: slot order from SLOT_ORDER_MIN_ROWS rows. Slot order for a layout of few slots (8 rows
+  in `row_tiles`: 512 slots) costs copies of a few MB and loads whole blocks of x.
 The tests hold two launches to equal bits (tests/pallas_kernels/test_grouped_launch.py, in
 interpret mode); benchmarks/moe_kernel_sweep.py times candidates on a GPU and checks each one's
 bits against the default launch. `launch_for` picks a launch from static shapes only (the
@@ -38,6 +41,7 @@ class Launch:
     num_warps: int | None = None
     num_stages: int | None = None
     k_split: int = 1
+    order: str | None = None
 
 
 # Per kind of launch ("pair": gate|up; "tree": a TBIK down; "single": a BIO product), rules
@@ -54,6 +58,15 @@ def launch_for(rows: int, num_weights: int, num_leaves: int) -> Launch:
         if rows < bound:
             return dataclasses.replace(launch, k_split=min(launch.k_split, num_leaves))
     return Launch()
+
+
+def slot_order(launch: Launch, rows: int, min_rows: int) -> bool:
+    """Whether the slot-order kernel runs: `launch.order`, else from `min_rows` rows."""
+    if launch.order not in (None, "row", "slot"):
+        raise ValueError(f"Launch.order must be 'row', 'slot' or None, got {launch.order!r}")
+    if launch.order == "slot" and launch.k_split > 1:
+        raise ValueError("k_split runs in the row-order kernel only (order='row' or None)")
+    return launch.order == "slot" or launch.order is None and rows >= min_rows
 
 
 def check(cfg, block_n: int | None, k_split: int, num_leaves: int) -> int:

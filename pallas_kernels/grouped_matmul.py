@@ -36,9 +36,10 @@ stores, as pallas_kernels/rope_kv.py does): an empty tile loads and stores nothi
 array outside the kernel is [R, ...]. A gathered row holds the values the slot copy held: the
 same arithmetic. An empty slot of a live tile loads row 0 (never stored; rows do not mix). From
 `SLOT_ORDER_MIN_ROWS` rows, where nearly every tile holds rows, the slot-order kernel of
-pallas_kernels/grouped_slots.py runs instead (faster there; the same bits). Gate and up are one
-launch (`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles
-a decode step's programs (8 experts x 6 live column blocks: 48 programs for 132 SMs, 96).
+pallas_kernels/grouped_slots.py runs instead (faster there; the same bits), and where a launch
+says so (a layout of few slots: grouped_launch.py). Gate and up are one launch
+(`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles a decode
+step's programs (8 experts x 6 live column blocks: 48 programs for 132 SMs, 96).
 
 Stacked weights: w may be a stack of every layer's experts [L, G, K, N] with `layer` (traced);
 the kernels read layer `layer`'s groups in place. Why: w[layer] as an array is a copy of all G
@@ -297,7 +298,7 @@ def _subtree(x, ws, tiles, *, per_src: int, leaf_k: int, num_leaves: int, out_dt
     kw = dict(leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=out_dtype, live_k=live_k,
               live_n=live_n, block_n=go.block_n, num_warps=go.num_warps,
               num_stages=go.num_stages)  # fmt: skip
-    if tiles.num_rows >= SLOT_ORDER_MIN_ROWS:
+    if glaunch.slot_order(go, tiles.num_rows, SLOT_ORDER_MIN_ROWS):
         xs = gather_rows(x, tiles, per_src)
         return tuple(scatter_rows(o, tiles)
                      for o in grouped_pallas_slots(xs, ws, lw, tiles.tile_group, **kw))  # fmt: skip

@@ -7,6 +7,7 @@ the same K reduced as one sequential leaf instead of the tree) does change bits,
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,7 +111,6 @@ def test_launches_lower_to_triton_at_model_shapes(monkeypatch):
     """The Pallas Triton lowering (no ptxas) of the sweep's launches at Qwen3-30B-A3B's expert
     shapes, exported for 'cuda' on the CPU: the row-order pair at block_n 32 and 8 warps, the
     down tree with k_split 4 at block_n 64, the slot-order pair at block_n 64."""
-    import jax
     from jax import export
 
     from pallas_kernels import _platform
@@ -141,3 +141,62 @@ def test_launches_lower_to_triton_at_model_shapes(monkeypatch):
     text = export.export(jax.jit(moe), platforms=["cuda"], disabled_checks=[check])(*args)
     calls = [ln for ln in text.mlir_module().splitlines() if "__gpu$xla.gpu.triton" in ln]
     assert len(calls) == 3
+
+
+def test_the_default_launch_reaches_the_kernels_with_the_same_bits(monkeypatch):
+    """grouped_matmul_pair and grouped_tree_matmul (backend 'pallas') under DEFAULTS that put a
+    small step's gate|up in slot order at block_n 64 and its tree in 4 subtrees at block_n 32:
+    the kernels the rules name run, and every row keeps the default launch's bits."""
+    t = _tiles()
+    w1, w2 = WS[0][0], WS[1][0]
+
+    def both():
+        pair = gm.grouped_matmul_pair(X, w1, w2, t, per_src=PER_SRC, backend="pallas")
+        tree = gm.grouped_tree_matmul(X, w1, t, per_src=PER_SRC, backend="pallas")
+        return [np.asarray(o) for o in (*pair, tree)]
+
+    want = both()
+    rules = {"pair": ((100, glaunch.Launch(order="slot", block_n=64)),),
+             "tree": ((100, glaunch.Launch(k_split=4, block_n=32)),), "single": ()}
+    monkeypatch.setattr(glaunch, "DEFAULTS", rules)
+    _same(both(), want)
+    jaxpr = str(jax.make_jaxpr(lambda x: gm.grouped_matmul_pair(x, w1, w2, t, per_src=PER_SRC,
+                                                               backend="pallas"))(X))
+    assert "grouped_matmul_pair_slots" in jaxpr
+    with pytest.raises(ValueError, match="row-order"):
+        glaunch.slot_order(glaunch.Launch(order="slot", k_split=2), 8, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_gpu_launches_keep_the_bits_at_model_shapes(monkeypatch, tokens):
+    """Compiled, at Qwen3-30B-A3B's expert shapes (bf16, F padded to 1024, 768 live): a decode
+    step's gate|up and down tree (8 rows in `row_tiles`, 128 rows of which 8 real in
+    `group_tiles`) at the default launch and at narrower block_n, 8 warps, k_split and slot
+    order; and the negative control: the down as one sequential leaf differs from the tree."""
+    g, d, f, bf = 128, 2048, 1024, jnp.bfloat16
+    rng = np.random.default_rng(7)
+    wg, wu = (jnp.asarray(rng.standard_normal((g, d, f), np.float32) * 0.02, bf).at[..., 768:]
+              .set(0) for _ in range(2))  # fmt: skip
+    wd = jnp.asarray(rng.standard_normal((g, f, d), np.float32) * 0.02, bf).at[:, 768:].set(0)
+    x = jnp.asarray(rng.standard_normal((tokens, d), np.float32), bf)
+    ids = np.full(tokens * 8, g, np.int32)
+    ids[:8] = rng.choice(g, 8, replace=False)
+    tiles = gm.layout(jnp.asarray(ids), g)
+
+    def run():
+        gate, up = gm.grouped_matmul_pair(x, wg, wu, tiles, per_src=8, live_n=768)
+        act = (gate.astype(jnp.float32) * up).astype(bf)
+        down = gm.grouped_tree_matmul(act, wd, tiles, jnp.float32, live_k=768)
+        return [np.asarray(o.astype(jnp.float32)) for o in (gate, up, down)], act
+
+    want, act = run()
+    L = glaunch.Launch
+    for pair, tree in ((L(block_n=64), L(k_split=4)), (L(block_n=32, num_warps=8),
+                       L(block_n=64, k_split=2)), (L(order="slot"), L(order="slot", block_n=64))):
+        monkeypatch.setattr(glaunch, "DEFAULTS", {"pair": ((1024, pair),),
+                                                  "tree": ((1024, tree),), "single": ()})
+        got, _ = run()
+        _same(got, want)
+    bio = gm.grouped_matmul(act, wd, tiles, jnp.float32, live_k=768)
+    assert not np.array_equal(np.asarray(bio)[:8], want[2][:8])
