@@ -11,8 +11,10 @@ and out included), gate|up (one launch, BIO over D) and down (the tree over the 
 chosen experts' live bytes (768 columns), and `bits_equal` (np.array_equal with the default
 launch over every layer's output; a candidate whose bits differ is reported, never chosen).
 Then the whole MoE layer (`jdet.moe.ffn_forward`, Ops("tp"), unrolled) at the default launch
-and with `grouped_launch.DEFAULTS` set to each kind's fastest bit-equal candidate of that case
-(`best`), its bits against the default's.
+(`before`: this tree's launch and kernel choice) and with `grouped_launch.DEFAULTS` set to each
+kind's fastest bit-equal candidate of that case (`best`), its bits against `before`'s. Below
+SLOT_ORDER_MIN_ROWS the slot-order kernel is a candidate too where the layout has few slots
+(8 rows: 512), as Launch(order="slot").
 
 Work runs most important first ((16, 1), then (1, 1), 512, 256 rows); past `--budget-s` the
 rest is skipped (the JSON so far stays written).
@@ -51,17 +53,19 @@ from pallas_kernels.tree_matmul import tree_plan
 L = glaunch.Launch
 CASES = ((16, 1), (1, 1), (64, 64), (32, 32))
 ROW_PAIR = (L(), L(block_n=64), L(block_n=32), L(block_n=64, num_warps=8),
-            L(block_n=64, num_stages=4), L(num_warps=8))
-ROW_TREE = (L(), L(k_split=2), L(k_split=4), L(block_n=64), L(block_n=64, k_split=2),
-            L(block_n=64, k_split=4))
-SLOT = (L(), L(block_n=64), L(num_warps=8))
+            L(block_n=64, num_stages=4))
+ROW_TREE = (L(), L(k_split=2), L(k_split=4), L(block_n=64, k_split=2), L(block_n=64, k_split=4))
+SLOT = (L(), L(block_n=64))
+# below SLOT_ORDER_MIN_ROWS, where the layout has at most this many slots: slot order too
+SMALL_SLOTS, SLOT_SMALL = 1024, (L(order="slot"), L(order="slot", block_n=64))
 
 
 def _name(launch: glaunch.Launch) -> str:
     parts = [f"bn{launch.block_n}" if launch.block_n else "",
              f"w{launch.num_warps}" if launch.num_warps else "",
              f"s{launch.num_stages}" if launch.num_stages else "",
-             f"ks{launch.k_split}" if launch.k_split > 1 else ""]  # fmt: skip
+             f"ks{launch.k_split}" if launch.k_split > 1 else "",
+             launch.order or ""]  # fmt: skip
     return " ".join(p for p in parts if p) or "default"
 
 
@@ -94,7 +98,7 @@ def _kernel_fn(kind: str, tiles, cfg, act_width: int, launch: glaunch.Launch):
             leaf_k=plan.leaf_k, num_leaves=plan.num_leaves, out_dtype=jnp.dtype(jnp.float32),
             live_k=f)
     kw.update(block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages)
-    slot_order = tiles[0].num_rows >= SLOT_ORDER_MIN_ROWS
+    slot_order = glaunch.slot_order(launch, tiles[0].num_rows, SLOT_ORDER_MIN_ROWS)
 
     def run(ffn, x):
         outs = []
@@ -162,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         act = jnp.asarray(np.random.default_rng(0).standard_normal((rows, f_pad)), jnp.bfloat16)
         best: dict[str, tuple[float, glaunch.Launch]] = {}
         for kind, x, nproj in (("gate_up", h, 2), ("down", act, 1)):
-            order = "slot" if rows >= SLOT_ORDER_MIN_ROWS else "row"
-            cands = SLOT if order == "slot" else ROW_PAIR if kind == "gate_up" else ROW_TREE
-            cands = cands[:2] + cands[-1:] if smoke else cands
+            if rows >= SLOT_ORDER_MIN_ROWS:
+                cands = SLOT
+            else:
+                cands = ROW_PAIR if kind == "gate_up" else ROW_TREE
+                cands = cands[:2] + cands[-1:] if smoke else cands
+                cands += SLOT_SMALL if tiles[0].num_slots <= SMALL_SLOTS else ()
             base = None
             for launch in cands:
+                order = "slot" if glaunch.slot_order(launch, rows, SLOT_ORDER_MIN_ROWS) else "row"
                 row = {"tokens": tokens, "real": real, "rows": rows, "kernel": kind,
                        "order": order, "launch": _name(launch), "experts": distinct}  # fmt: skip
                 if left() < 3:
@@ -201,7 +209,7 @@ def _whole_layer(cfg, ffn, h, slots, tokens, real, rows, best, layers, left, say
         if kind in best:
             rules[key] = ((rows + 1, best[kind][1]),)
     saved, base = glaunch.DEFAULTS, None
-    for label, table in (("default", saved), ("best", rules)):
+    for label, table in (("before", saved), ("best", rules)):
         row = {"tokens": tokens, "real": real, "rows": rows, "kernel": "moe_layer",
                "launch": label, "gate_up": _name(best["gate_up"][1]) if "gate_up" in best else
                "default", "down": _name(best["down"][1]) if "down" in best else "default"}
