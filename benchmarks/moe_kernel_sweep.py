@@ -52,9 +52,8 @@ from pallas_kernels.tree_matmul import tree_plan
 
 L = glaunch.Launch
 CASES = ((16, 1), (1, 1), (64, 64), (32, 32))
-ROW_PAIR = (L(), L(block_n=64), L(block_n=32), L(block_n=64, num_warps=8),
-            L(block_n=64, num_stages=4))
-ROW_TREE = (L(), L(k_split=2), L(k_split=4), L(block_n=64, k_split=2), L(block_n=64, k_split=4))
+ROW_PAIR = (L(), L(block_n=64), L(block_n=32), L(block_n=64, num_warps=8))
+ROW_TREE = (L(), L(k_split=2), L(k_split=4), L(block_n=64, k_split=4))
 SLOT = (L(), L(block_n=64))
 # below SLOT_ORDER_MIN_ROWS, where the layout has at most this many slots: slot order too
 SMALL_SLOTS, SLOT_SMALL = 1024, (L(order="slot"), L(order="slot", block_n=64))
