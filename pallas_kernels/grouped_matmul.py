@@ -14,7 +14,9 @@ combined in the fixed pairwise tree of `combine_tree` (lower K on the left), cas
 - Pallas (`pl.pallas_call`; Triton on a GPU, interpret mode on a CPU for the tests): block_m,
   block_k, block_n from `matmul.tile_config(K, N, dtype)`; a leaf is k_first sequential block_k
   steps into an f32 accumulator (the BIO kernel's MMA chain), leaves combined by the tree kernel's
-  binary counter.
+  binary counter. How the products are spread over programs (columns per program, warps,
+  pipeline depth, a tree's subtrees in programs of their own) is a launch that changes none of
+  this (pallas_kernels/grouped_launch.py), chosen from the step's static row count.
 Every parameter is a function of (K, N, dtype) only. Which tile a row lands in, its place in it
 and the tile's other rows change none of its arithmetic (the rows of a dot are independent, as
 the BIO matmul relies on); the number of rows of its group decides how many tiles run. So row
@@ -34,9 +36,10 @@ stores, as pallas_kernels/rope_kv.py does): an empty tile loads and stores nothi
 array outside the kernel is [R, ...]. A gathered row holds the values the slot copy held: the
 same arithmetic. An empty slot of a live tile loads row 0 (never stored; rows do not mix). From
 `SLOT_ORDER_MIN_ROWS` rows, where nearly every tile holds rows, the slot-order kernel of
-pallas_kernels/grouped_slots.py runs instead (faster there; the same bits). Gate and up are one
-launch (`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles
-a decode step's programs (8 experts x 6 live column blocks: 48 programs for 132 SMs, 96).
+pallas_kernels/grouped_slots.py runs instead (faster there; the same bits), and where a launch
+says so (a layout of few slots: grouped_launch.py). Gate and up are one launch
+(`grouped_matmul_pair`: the grid's column blocks run either weight), which also doubles a decode
+step's programs (8 experts x 6 live column blocks: 48 programs for 132 SMs, 96).
 
 Stacked weights: w may be a stack of every layer's experts [L, G, K, N] with `layer` (traced);
 the kernels read layer `layer`'s groups in place. Why: w[layer] as an array is a copy of all G
@@ -57,6 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform, xla_fixed
+from pallas_kernels import grouped_launch as glaunch
 from pallas_kernels.combine import combine_tree
 from pallas_kernels.grouped_layout import (
     GroupedTiles,
@@ -140,15 +144,17 @@ def _store_rows(o_ref, rows, cols, val, ok) -> None:
 
 def _grouped_kernel(tg_ref, l_ref, sr_ref, x_ref, *refs, cfg, k_first: int, num_leaves: int,
                     precision, live_tiles: int, live_nb: int, nb: int, rows: int,
-                    per_src: int):  # fmt: skip
-    """Program (t, j): tile t's rows times column block j % nb of weight j // nb (one weight,
-    or gate and up), stored to the rows' own output rows."""
+                    per_src: int, k_split: int):  # fmt: skip
+    """Program (t, j): tile t's rows times column block j % nb of weight j // nb % len(ws)
+    (one weight, or gate and up), subtree j // (nb * len(ws)) of k_split, stored to the rows'
+    own output rows (column j's block of the output)."""
     *w_refs, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     g = tg_ref[t]
     layer = l_ref[0]
     bk, bn = cfg.block_k, w_refs[0].shape[3]
-    which, jj = j // nb, j % nb
+    which, jj, part = j // nb % len(w_refs), j % nb, j // (nb * len(w_refs))
+    sub = num_leaves // k_split
     slot_rows = sr_ref[...]  # [bm]: the row of each slot, `rows` for an empty one
     ok = slot_rows < rows
     src = jnp.where(ok, slot_rows // per_src, 0)  # empty slot: any row (never stored)
@@ -156,16 +162,18 @@ def _grouped_kernel(tg_ref, l_ref, sr_ref, x_ref, *refs, cfg, k_first: int, num_
     cols = j * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
     live = g >= 0
 
-    def product(w_ref) -> jax.Array:
+    def product(w_ref, s: int) -> jax.Array:
         return tree_product(lambda start: x_ref[src, pl.ds(start, bk)], w_ref, layer, g,
-                            rows=src.shape[0], k_first=k_first, num_leaves=num_leaves,
-                            live_tiles=live_tiles, bk=bk, precision=precision)  # fmt: skip
+                            rows=src.shape[0], k_first=k_first, num_leaves=sub,
+                            live_tiles=live_tiles, bk=bk, precision=precision,
+                            first_leaf=s * sub)  # fmt: skip
 
-    for i, w_ref in enumerate(w_refs):
+    for s in range(k_split):
+        for i, w_ref in enumerate(w_refs):
 
-        @pl.when(live & (which == i) & (jj < live_nb))
-        def _run(w_ref=w_ref):
-            _store_rows(o_ref, dst, cols, product(w_ref).astype(o_ref.dtype), ok)
+            @pl.when(live & (part == s) & (which == i) & (jj < live_nb))
+            def _run(w_ref=w_ref, s=s):
+                _store_rows(o_ref, dst, cols, product(w_ref, s).astype(o_ref.dtype), ok)
 
     if live_nb < nb:  # the plan's zero columns: zeros, not read from the weight
 
@@ -175,15 +183,16 @@ def _grouped_kernel(tg_ref, l_ref, sr_ref, x_ref, *refs, cfg, k_first: int, num_
 
 
 @functools.partial(jax.jit, static_argnames=("per_src", "leaf_k", "num_leaves", "out_dtype",
-                                             "live_k", "live_n", "num_stages"))
+                                             "live_k", "live_n", "num_stages", "block_n",
+                                             "num_warps", "k_split"))
 def _grouped_pallas(x, ws, layer, tile_group, slot_row, row_slot, *, per_src: int, leaf_k: int,
                     num_leaves: int, out_dtype, live_k: int | None = None,
-                    live_n: int | None = None, num_stages: int | None = None):  # fmt: skip
+                    live_n: int | None = None, num_stages: int | None = None,
+                    block_n: int | None = None, num_warps: int | None = None,
+                    k_split: int = 1):  # fmt: skip
     """[R, N] per weight of `ws` (stacks [L, G, K, N] of one shape), rows left out zero.
-    `num_stages`: the Triton software pipeline's depth (the tile config's by default); it
-    changes when loads are issued, never an MMA or its order."""
-    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
-
+    `num_stages`, `block_n`, `num_warps`, `k_split`: a launch (pallas_kernels/grouped_launch.py;
+    the tile config's by default), never an MMA, its operands or their order."""
     dtype = jnp.promote_types(x.dtype, ws[0].dtype)
     x, ws = x.astype(dtype), [w.astype(dtype) for w in ws]
     cfg = _mm.tile_config(leaf_k * num_leaves, ws[0].shape[3], dtype)
@@ -194,21 +203,20 @@ def _grouped_pallas(x, ws, layer, tile_group, slot_row, row_slot, *, per_src: in
     # a copy of the whole stack where K or N is not a whole number of tiles (small test
     # shapes); the plan's padded FFN and the models' widths need none
     ws = [_mm._pad_to(_mm._pad_to(w, 2, kp), 3, cfg.block_n) for w in ws]
-    nb = ws[0].shape[3] // cfg.block_n
+    bn = glaunch.check(cfg, block_n, k_split, num_leaves)
+    nb = ws[0].shape[3] // bn
     nt = tile_group.shape[0]
     bm = slot_row.shape[0] // nt
     rows = row_slot.shape[0]
     live_tiles = -(-(kp if live_k is None else live_k) // cfg.block_k)
-    live_nb = -(-(nb * cfg.block_n if live_n is None else live_n) // cfg.block_n)
+    live_nb = -(-(nb * bn if live_n is None else live_n) // bn)
     kernel = functools.partial(_grouped_kernel, cfg=cfg, k_first=k_first, num_leaves=num_leaves,
                                precision=_mm._precision(dtype), live_tiles=live_tiles,
-                               live_nb=live_nb, nb=nb, rows=rows, per_src=per_src)  # fmt: skip
+                               live_nb=live_nb, nb=nb, rows=rows, per_src=per_src,
+                               k_split=k_split)  # fmt: skip
     interpret = _platform.interpret_default()
-    compiler_params = None
-    if not interpret:
-        compiler_params = pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                  num_stages=num_stages or cfg.num_stages)
-    width = nb * cfg.block_n
+    width = nb * bn
+    part_dtype = jnp.dtype(jnp.float32) if k_split > 1 else out_dtype
 
     def whole(a):
         return pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
@@ -216,24 +224,27 @@ def _grouped_pallas(x, ws, layer, tile_group, slot_row, row_slot, *, per_src: in
     lw = jnp.asarray(layer, jnp.int32).reshape(1)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, len(ws) * width), out_dtype),
-        grid=(nt, len(ws) * nb),
+        out_shape=jax.ShapeDtypeStruct((rows, k_split * len(ws) * width), part_dtype),
+        grid=(nt, k_split * len(ws) * nb),
         in_specs=[
             whole(tile_group),
             whole(lw),
             pl.BlockSpec((bm,), lambda t, j: (t,)),  # the tile's slots
             whole(x),  # rows gathered in the kernel
             # every layer and group: the kernel reads its own (layer, group)'s tiles in place
-            *[pl.BlockSpec((*w.shape[:2], kp, cfg.block_n), lambda t, j: (0, 0, 0, j % nb))
-              for w in ws],
-        ],  # fmt: skip
-        out_specs=pl.BlockSpec((rows, len(ws) * width), lambda t, j: (0, 0)),
+            *[pl.BlockSpec((*w.shape[:2], kp, bn), lambda t, j: (0, 0, 0, j % nb)) for w in ws],
+        ],
+        out_specs=pl.BlockSpec((rows, k_split * len(ws) * width), lambda t, j: (0, 0)),
         interpret=interpret,
-        compiler_params=compiler_params,
+        compiler_params=glaunch.compiler_params(cfg, interpret, num_warps, num_stages),
         name="grouped_matmul" if len(ws) == 1 else "grouped_matmul_pair",
     )(tile_group, lw, slot_row, x, *ws)
     live = (row_slot < slot_row.shape[0])[:, None]
     out = jnp.where(live, out, jnp.zeros((), out.dtype))  # rows left out: never written
+    if k_split > 1:  # the subtrees' f32 results: the upper levels of the tree, then the cast
+        step = len(ws) * width
+        out = combine_tree([out[:, s * step : (s + 1) * step] for s in range(k_split)])
+        out = out.astype(out_dtype)
     return tuple(out[:, i * width : i * width + n] for i in range(len(ws)))
 
 
@@ -280,16 +291,19 @@ def _subtree(x, ws, tiles, *, per_src: int, leaf_k: int, num_leaves: int, out_dt
             for w, _ in stacks
         )  # fmt: skip
     # no Mosaic grouped kernel (yet): the portable kernels on every GPU, row order or slot order
-    # by the step's row count, a static shape (the same bits: pallas_kernels/grouped_slots.py)
+    # by the step's row count (the same bits: pallas_kernels/grouped_slots.py)
+    # and a launch (grouped_launch.py), each a function of static shapes
     ws = tuple(w for w, _ in stacks)
+    go = glaunch.launch_for(tiles.num_rows, len(ws), num_leaves)
     kw = dict(leaf_k=leaf_k, num_leaves=num_leaves, out_dtype=out_dtype, live_k=live_k,
-              live_n=live_n)  # fmt: skip
-    if tiles.num_rows >= SLOT_ORDER_MIN_ROWS:
+              live_n=live_n, block_n=go.block_n, num_warps=go.num_warps,
+              num_stages=go.num_stages)  # fmt: skip
+    if glaunch.slot_order(go, tiles.num_rows, SLOT_ORDER_MIN_ROWS):
         xs = gather_rows(x, tiles, per_src)
         return tuple(scatter_rows(o, tiles)
                      for o in grouped_pallas_slots(xs, ws, lw, tiles.tile_group, **kw))  # fmt: skip
     return _grouped_pallas(x, ws, lw, tiles.tile_group, tiles.slot_row, tiles.row_slot,
-                           per_src=per_src, **kw)  # fmt: skip
+                           per_src=per_src, k_split=go.k_split, **kw)  # fmt: skip
 
 
 def grouped_matmul(x, w, tiles: GroupedTiles, out_dtype=None, *, per_src: int = 1,

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _platform
+from pallas_kernels import grouped_launch as glaunch
 
 _mm = importlib.import_module("pallas_kernels.matmul")
 
@@ -45,13 +46,16 @@ SLOT_ORDER_MIN_ROWS = 256
 
 
 def tree_product(x_block, w_ref, layer, g, *, rows: int, k_first: int, num_leaves: int,
-                 live_tiles: int, bk: int, precision) -> jax.Array:  # fmt: skip
+                 live_tiles: int, bk: int, precision,
+                 first_leaf: int = 0) -> jax.Array:  # fmt: skip
     """One program's [rows, block_n] f32 product in the grouped matmul's reduction plan, shared
     by both kernels (so their plans are one): `num_leaves` leaves of `k_first` block_k steps
     into an f32 accumulator, combined by the tree kernel's binary counter (leaves added
     pairwise, lower K on the left). K tiles past `live_tiles` hold zero weights: an exact zero
     stands in for their sum. `x_block(start)` loads the tile's [rows, bk] block of x at column
-    `start` (slot order here, rows gathered from x in grouped_matmul.py)."""
+    `start` (slot order here, rows gathered from x in grouped_matmul.py). `first_leaf`: the
+    leaves are the plan's first_leaf.. (a whole subtree of a k_split launch, grouped_launch.py).
+    """
 
     def leaf(first: int) -> jax.Array:
         n = max(0, min(k_first, live_tiles - first))
@@ -67,7 +71,7 @@ def tree_product(x_block, w_ref, layer, g, *, rows: int, k_first: int, num_leave
         return lax.fori_loop(0, n, body, acc0) if n else acc0
 
     stack: list[tuple[int, jax.Array]] = []
-    for i in range(num_leaves):
+    for i in range(first_leaf, first_leaf + num_leaves):
         node, height = leaf(i * k_first), 0
         while stack and stack[-1][0] == height:
             node = stack.pop()[1] + node
@@ -106,15 +110,15 @@ def _slot_kernel(tg_ref, l_ref, x_ref, *refs, cfg, k_first: int, num_leaves: int
 
 
 @functools.partial(jax.jit, static_argnames=("leaf_k", "num_leaves", "out_dtype", "live_k",
-                                             "live_n", "num_stages"))
+                                             "live_n", "num_stages", "block_n", "num_warps"))
 def grouped_pallas_slots(xs, ws, layer, tile_group, *, leaf_k: int, num_leaves: int, out_dtype,
                          live_k: int | None = None, live_n: int | None = None,
-                         num_stages: int | None = None):  # fmt: skip
+                         num_stages: int | None = None, block_n: int | None = None,
+                         num_warps: int | None = None):  # fmt: skip
     """xs [P, K] in slot order (`gather_rows`) times each of `ws` (stacks [L, G, K, N] of one
     shape, layer `layer` [1]) -> [P, N] per weight in slot order; the slots of tiles that hold
-    no row are not written. Arguments as grouped_matmul.py `_grouped_pallas`'s."""
-    from jax.experimental.pallas import triton as pltriton  # slow to import; not on a CPU
-
+    no row are not written. Arguments as grouped_matmul.py `_grouped_pallas`'s (no k_split:
+    its f32 partials would be [P, N] each, P the layout's slots)."""
     dtype = jnp.promote_types(xs.dtype, ws[0].dtype)
     xs, ws = xs.astype(dtype), [w.astype(dtype) for w in ws]
     cfg = _mm.tile_config(leaf_k * num_leaves, ws[0].shape[3], dtype)
@@ -123,19 +127,17 @@ def grouped_pallas_slots(xs, ws, layer, tile_group, *, leaf_k: int, num_leaves: 
     kp = num_leaves * k_first * cfg.block_k
     xs = _mm._pad_to(xs, 1, kp)
     ws = [_mm._pad_to(_mm._pad_to(w, 2, kp), 3, cfg.block_n) for w in ws]
-    nb = ws[0].shape[3] // cfg.block_n
+    bn = glaunch.check(cfg, block_n, 1, num_leaves)
+    nb = ws[0].shape[3] // bn
     bm = p // tile_group.shape[0]
     live_tiles = -(-(kp if live_k is None else live_k) // cfg.block_k)
-    live_nb = -(-(nb * cfg.block_n if live_n is None else live_n) // cfg.block_n)
+    live_nb = -(-(nb * bn if live_n is None else live_n) // bn)
     kernel = functools.partial(_slot_kernel, cfg=cfg, k_first=k_first, num_leaves=num_leaves,
                                precision=_mm._precision(dtype), live_tiles=live_tiles,
                                live_nb=live_nb, nb=nb)  # fmt: skip
     interpret = _platform.interpret_default()
-    params = None
-    if not interpret:
-        params = pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                         num_stages=num_stages or cfg.num_stages)
-    width = nb * cfg.block_n
+    params = glaunch.compiler_params(cfg, interpret, num_warps, num_stages)
+    width = nb * bn
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((p, len(ws) * width), out_dtype),
@@ -144,10 +146,9 @@ def grouped_pallas_slots(xs, ws, layer, tile_group, *, leaf_k: int, num_leaves: 
             pl.BlockSpec(tile_group.shape, lambda t, j: (0,)),
             pl.BlockSpec((1,), lambda t, j: (0,)),
             pl.BlockSpec((bm, kp), lambda t, j: (t, 0)),
-            *[pl.BlockSpec((*w.shape[:2], kp, cfg.block_n), lambda t, j: (0, 0, 0, j % nb))
-              for w in ws],
-        ],  # fmt: skip
-        out_specs=pl.BlockSpec((bm, cfg.block_n), lambda t, j: (t, j)),
+            *[pl.BlockSpec((*w.shape[:2], kp, bn), lambda t, j: (0, 0, 0, j % nb)) for w in ws],
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         interpret=interpret,
         compiler_params=params,
         name="grouped_matmul_slots" if len(ws) == 1 else "grouped_matmul_pair_slots",
