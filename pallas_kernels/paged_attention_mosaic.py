@@ -3,7 +3,8 @@ SMEM slots filled by a producer warpgroup, wgmma on a consumer warpgroup (docs/P
 step 2), and `paged_attention_mosaic`, the family's entry (structure looped, split or auto).
 The partition body, merge and producer ring live in paged_attention_mosaic_body.py, shared with
 the split (decode) pair of paged_attention_mosaic_decode.py: one plan, two layouts, one set of
-bits. Not wired into `Ops`: candidates measured by benchmarks/attention_mosaic*.py.
+bits. `Ops` runs it on Hopper under JDET_ATTENTION=mosaic (pallas_kernels/_platform.py); launch
+candidates are measured by benchmarks/attention_mosaic*.py and attention_steps.py.
 
 Reduction plan (version 2 of pallas_kernels/paged_attention.py's; other bits than the Triton
 kernel, the same structure):

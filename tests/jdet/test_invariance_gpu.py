@@ -53,46 +53,40 @@ def test_gpu_negative_control_xla_score_changes_with_batch_or_chunking(model):
     assert not (np.array_equal(alone, batched) and np.array_equal(alone, chunked))
 
 
-def test_gpu_mosaic_attention_long_prompt_looped_equals_chunks(model, monkeypatch):
-    """JDET_ATTENTION=mosaic (Hopper): a 16,400-token prompt scored in 16,384 + 16-token steps
-    runs the Mosaic attention's looped launch (two consumers; 2 query heads a KV head, so 32
-    tokens a tile), in 512-token chunks looped too and its last 16 tokens split (`launch_plan`):
-    the same bits; and a generation's decodes (split) give score()'s log-probs (looped).
+def test_gpu_mosaic_attention_one_shot_equals_chunks_and_decodes(model, monkeypatch):
+    """JDET_ATTENTION=mosaic (Hopper): a 3,000-token prompt scored in 2,048 + 1,024-token steps
+    and in 64-token chunks (both the looped launch, two consumers), and a generation's decodes
+    (16-token bucket: the split launch, `launch_plan`) against score()'s rows: the same bits.
     Control: the default Triton family gives other bits, so the comparison can see a kernel
-    change. The step caches are bypassed (as in
-    test_moe_invariance_gpu.py): the environment is read when a step is traced."""
-    import dataclasses
-
+    change. The step caches are bypassed (as in test_moe_invariance_gpu.py): the environment is
+    read when a step is traced."""
     import jdet.ops
     import jdet.step
     import serving.engine.host_inputs as host_inputs
-    from jdet.loader import Model
     from pallas_kernels._platform import ATTENTION_ENV, backend
     from pallas_kernels.paged_attention_mosaic import launch_plan
 
     if not backend().hopper:
         pytest.skip("the Mosaic GPU attention runs on Hopper only")
-    assert launch_plan(16384, (8, 1040), 8, 2, 128, 16, 256)[0] == "looped"
-    assert launch_plan(16, (16, 1040), 8, 2, 128, 16, 256)[0] == "split"
-    cfg = dataclasses.replace(model.cfg, max_position_embeddings=16640)
-    model = Model(cfg=cfg, params=model.params)
-    target = np.random.default_rng(5).integers(0, cfg.vocab_size, 16400).tolist()
-    kw = dict(invariance="tp", num_pages=1100, max_model_len=16640, warmup=False)
-    triton = jdet.LLM(model, max_num_batched_tokens=512, **kw).score([target])[0]
+    assert launch_plan(2048, (1, 256), 8, 2, 128, 16, 256)[0] == "looped"
+    assert launch_plan(16, (16, 256), 8, 2, 128, 16, 256)[0] == "split"
+    target = np.random.default_rng(5).integers(0, model.cfg.vocab_size, 3000).tolist()
+    kw = dict(invariance="tp", num_pages=512, warmup=False)
+    triton = jdet.LLM(model, max_num_batched_tokens=64, **kw).score([target])[0]
     monkeypatch.setenv(ATTENTION_ENV, "mosaic")
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
     monkeypatch.setattr(host_inputs, "_split_step_fn", host_inputs._split_step_fn.__wrapped__)
     assert jdet.ops.Ops().attn_kernel() == "mosaic"
-    one = jdet.LLM(model, max_num_batched_tokens=16384, **kw).score([target])[0]
-    chunks = jdet.LLM(model, max_num_batched_tokens=512, **kw).score([target])[0]
-    llm = jdet.LLM(model, max_num_batched_tokens=512, **kw)  # decodes: the split launch
-    out = llm.generate(target[:3000], jdet.SamplingParams(temperature=1.0, seed=3, max_tokens=12,
-                                                          ignore_eos=True))[0]  # fmt: skip
-    scored = llm.score([target[:3000] + out.token_ids])[0]
+    one = jdet.LLM(model, max_num_batched_tokens=2048, **kw).score([target])[0]
+    llm = jdet.LLM(model, max_num_batched_tokens=64, **kw)
+    chunks = llm.score([target])[0]
+    sp = jdet.SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = llm.generate(target[:2000], sp)[0]
+    scored = llm.score([target[:2000] + out.token_ids])[0]
     assert np.isfinite(one).all()
     assert np.array_equal(one, chunks)
-    assert np.array_equal(out.logprobs, scored[2999:])
+    assert np.array_equal(out.logprobs, scored[1999:])
     assert not np.array_equal(one, triton)
 
 
