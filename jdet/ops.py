@@ -44,6 +44,7 @@ from pallas_kernels.paged_attention import (
     paged_attention_xla,
     step_attention_meta,
 )
+from pallas_kernels.paged_attention_mosaic_decode import SPLIT_MAX_TOKENS
 from pallas_kernels.rms_norm import add_rms_norm, head_rms_norm
 from pallas_kernels.rope_kv import QueryTiles, rope_kv
 from pallas_kernels.tree_matmul import tree_matmul_parts
@@ -295,8 +296,9 @@ class Ops:
             if backend().xla_fixed:
                 return None
             return self.attn_partition
-        if backend().gpu:
-            return none_partition(t, batch.page_table.shape, kv["k"].shape)
+        if backend().gpu:  # the Mosaic looped launch folds partitions in its CTA: 512
+            mosaic = self.attn_kernel(t) == "mosaic"
+            return 512 if mosaic else none_partition(t, batch.page_table.shape, kv["k"].shape)
         return None
 
     def attention_meta(self, batch: Any, kv: dict, q_heads: int) -> dict | None:
@@ -309,13 +311,15 @@ class Ops:
         return step_attention_meta(
             batch.page_table, batch.context_lens, batch.query_start, batch.positions, t=t,
             q_heads=q_heads, cache_shape=kv["k"].shape, partition_size=ps,
-            kernel=self.attn_kernel(),
+            kernel=self.attn_kernel(t),
         )  # fmt: skip
 
-    def attn_kernel(self) -> str:
-        """The Pallas paged attention's family: "mosaic" for the invariant modes on Hopper with
-        JDET_ATTENTION=mosaic (`Backend.mosaic_attention`), else "triton"."""
-        return "mosaic" if self.invariant and backend().mosaic_attention else "triton"
+    def attn_kernel(self, t: int) -> str:
+        """The paged attention's family for a step of `t` tokens: "mosaic" on Hopper with
+        JDET_ATTENTION=mosaic (`Backend.mosaic_attention`), in "none" for looped steps only."""
+        if not backend().mosaic_attention:
+            return "triton"
+        return "mosaic" if self.invariant or t > SPLIT_MAX_TOKENS else "triton"
 
     def fuses_rope_kv(self, meta: dict | None) -> bool:
         """Whether the model runs `rope_kv` this step: the flag is on and the Pallas attention
@@ -373,7 +377,7 @@ class Ops:
                 batch.positions, scale=scale, partition_size=ps or self.attn_partition,
                 layer=layer, meta=meta, out_rows=out_rows, q_heads=q_heads,
                 direct_out=bool(self.attn_direct_out), config=self.attn_config,
-                kernel=self.attn_kernel(),
+                kernel=self.attn_kernel(t or q.shape[0]),
             )  # fmt: skip
         if q_heads is not None:
             raise ValueError("query tiles (rope_kv) need the Pallas paged attention")

@@ -46,12 +46,10 @@ class Launch:
 
 # Per kind of launch ("pair": gate|up; "tree": a TBIK down; "single": a BIO product), rules
 # (rows_below, Launch): the first whose bound exceeds the step's row count applies; none: the
-# tile config's launch. Set from benchmarks/moe_kernel_sweep.py's bit-equal timings (H200,
-# Qwen3-30B-A3B shape, us per layer, default -> chosen): 8 rows (one token): gate|up 61 -> 28,
-# down 44 -> 18 (slot order, 64 columns a program); 128 rows with 8 live (a GPU's batch-1
-# decode bucket): down 48 -> 37 (k_split 4; gate|up's default stays fastest); 256 and 512
-# rows: down 330 -> 177 and 371 -> 199 (64 columns). Whole MoE layer: 108 -> 62, 134 -> 125,
-# 610 -> 459, 684 -> 506.
+# tile config's launch. Set from benchmarks/moe_kernel_sweep.py's bit-equal timings on an H200
+# (Qwen3-30B-A3B shape; BENCHMARKS.md, "Mixture of experts"): one token's 8 rows run slot
+# order with 64 columns a program; the 16-token decode bucket's down projection its leaves in 4
+# programs (gate|up's default stays fastest there); from 256 rows down runs 64 columns a program.
 _FEW = Launch(order="slot", block_n=64)
 DEFAULTS: dict[str, tuple[tuple[int, Launch], ...]] = {
     "pair": ((9, _FEW),),

@@ -45,10 +45,9 @@ from pallas_kernels.paged_attention_pallas import SPLIT_PARTIALS_MAX_BYTES, spli
 
 # structure="auto" splits only a step of at most SPLIT_MAX_TOKENS tokens (the engine's smallest
 # bucket: decodes of up to 16 sequences) whose partials fit SPLIT_PARTIALS_MAX_BYTES; every other
-# step runs looped. Measured on an H200 (benchmarks/attention_steps.py, Llama-3-8B heads): the
-# split layout wins only for a few long decodes (B1 ctx 8k: 0.19 ms against 0.26-0.31 looped);
-# from 32 sequences (B32 ctx 1k, B64 ctx 2k) and for prompt chunks (512 tokens at ctx 8k: 0.32
-# against 0.72 ms) the looped launch is faster, as its partials never leave the SM.
+# step runs looped. Why (benchmarks/attention_steps.py on an H200; BENCHMARKS.md, "Prefill"):
+# the split layout wins only for a few long decodes; from 32 sequences and for prompt chunks the
+# looped launch is faster, as its partials never leave the SM.
 SPLIT_MAX_TOKENS = 16
 
 

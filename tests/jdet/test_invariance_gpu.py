@@ -77,7 +77,7 @@ def test_gpu_mosaic_attention_one_shot_equals_chunks_and_decodes(model, monkeypa
     monkeypatch.setattr(jdet.step, "make_step_fn", jdet.step.make_step_fn.__wrapped__)
     monkeypatch.setattr(jdet.step, "make_score_fn", jdet.step.make_score_fn.__wrapped__)
     monkeypatch.setattr(host_inputs, "_split_step_fn", host_inputs._split_step_fn.__wrapped__)
-    assert jdet.ops.Ops().attn_kernel() == "mosaic"
+    assert jdet.ops.Ops().attn_kernel(64) == "mosaic"
     one = jdet.LLM(model, max_num_batched_tokens=2048, **kw).score([target])[0]
     llm = jdet.LLM(model, max_num_batched_tokens=64, **kw)
     chunks = llm.score([target])[0]

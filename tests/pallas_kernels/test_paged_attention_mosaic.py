@@ -180,3 +180,27 @@ def test_interpreted_block_kv_is_part_of_the_plan(split_case):
     b64, b128 = (mb.bits(mb.one_shot(_mosaic(structure="looped", partition_size=128, block_kv=bk),
                                      case, N)) for bk in (64, 128))  # fmt: skip
     assert not np.array_equal(b64, b128)
+
+
+def test_jdet_attention_mosaic_names_the_backend_and_picks_the_family(monkeypatch):
+    """JDET_ATTENTION=mosaic on Hopper (faked here): the backend's kernel name changes (so the
+    fingerprint and the executable keys do), the invariant modes run the Mosaic family at every
+    step, "none" at steps its looped launch runs; without it, or off Hopper, the Triton kernel."""
+    from jdet.ops import Ops
+    from pallas_kernels import _platform
+
+    monkeypatch.delenv(_platform.ATTENTION_ENV, raising=False)
+    assert not _platform.backend().mosaic_attention  # this CPU
+    monkeypatch.setenv(_platform.ATTENTION_ENV, "mosaic")
+    assert not _platform.backend().mosaic_attention  # still a CPU: not Hopper
+    monkeypatch.setattr(_platform, "platform", lambda: "gpu")
+    monkeypatch.setattr(_platform, "is_hopper", lambda: True)
+    on = _platform.backend()
+    assert on.hopper and on.mosaic_attention and on.kernels != "mosaic-gpu"
+    assert Ops().attn_kernel(16) == Ops(invariance="batch").attn_kernel(8192) == "mosaic"
+    assert Ops(invariance="none").attn_kernel(16) == "triton"
+    assert Ops(invariance="none").attn_kernel(32) == "mosaic"
+    monkeypatch.delenv(_platform.ATTENTION_ENV)
+    off = _platform.backend()
+    assert off.hopper and not off.mosaic_attention and off.kernels == "mosaic-gpu"
+    assert Ops().attn_kernel(8192) == "triton"
