@@ -23,7 +23,8 @@ import json
 import os
 import sys
 import time
-import traceback
+
+from benchmarks.attention_mosaic_decode import record
 
 PAGE = 16
 
@@ -70,21 +71,7 @@ class Bench:
         return self._fn
 
     def record(self, stage: str, body) -> dict:
-        import jax
-
-        row = {"variant": self.name, "stage": stage, "jax": jax.__version__}
-        t0 = time.time()
-        try:
-            row.update(body())
-        except Exception as exc:  # noqa: BLE001 - record and go on
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
-            row["traceback"] = traceback.format_exc()[-6000:]
-            print(row["traceback"][-1500:], file=sys.stderr, flush=True)
-        row["wall_s"] = round(time.time() - t0, 2)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-        return row
+        return record(self.path, {"variant": self.name, "stage": stage}, body)
 
     def check(self) -> dict:
         import jax.numpy as jnp

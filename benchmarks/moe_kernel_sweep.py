@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.moe_layer_probe import _config, _unrolled, _weights
+from benchmarks.moe_layer_probe import _config, _unrolled, _weights, layouts
 from benchmarks.timing import median_seconds
-from jdet.moe import ffn_forward, route
+from jdet.moe import ffn_forward
 from jdet.ops import Ops
 from jdet.tp_layout import ffn_padded
 from pallas_kernels import grouped_launch as glaunch
@@ -66,23 +66,6 @@ def _name(launch: glaunch.Launch) -> str:
              f"ks{launch.k_split}" if launch.k_split > 1 else "",
              launch.order or ""]  # fmt: skip
     return " ".join(p for p in parts if p) or "default"
-
-
-def _layouts(cfg, ffn, h, slots, layers: int):
-    tp = Ops(invariance="tp")
-    k, t = cfg.num_experts_per_tok, slots.shape[0]
-
-    @jax.jit
-    def layouts(ffn, h, slots):
-        out = []
-        for i in range(layers):
-            logits = tp.matmul(h, ffn["router"][i], out_dtype=jnp.float32)[:t]
-            _, ids = route(logits, k, cfg.norm_topk_prob)
-            ids = jnp.where((slots >= 0)[:, None], ids, cfg.num_experts)
-            out.append(tp.grouped_tiles(ids.reshape(-1), cfg.num_experts))
-        return out
-
-    return layouts(ffn, h, slots)
 
 
 def _kernel_fn(kind: str, tiles, cfg, act_width: int, launch: glaunch.Launch):
@@ -158,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         key = jax.random.PRNGKey(tokens * 100 + real)
         slots = jnp.where(jnp.arange(tokens) < real, jnp.arange(tokens), -1).astype(jnp.int32)
         h = jax.random.normal(key, (tp.row_pad(tokens), d), jnp.bfloat16)
-        tiles = _layouts(cfg, ffn, h, slots, layers)
+        tiles = layouts(cfg, ffn, h, slots, layers)
         rows = tiles[0].num_rows
         distinct = float(np.mean([len(set(np.asarray(gl.row_groups(t)).tolist()) - {-1})
                                   for t in tiles]))  # fmt: skip

@@ -272,14 +272,13 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 # -- the kernels alone -----------------------------------------------------------------------------
-def _kernel_rows(cfg, ffn, h, slots, t_real: int, stages: list[int], layers: int) -> list[dict]:
-    """tp-new's gate|up and down launches over every layer (the layouts computed first)."""
+def layouts(cfg, ffn, h, slots, layers: int) -> list:
+    """Each layer's grouped layout ("tp" routing of h; padding rows, slot -1, left out)."""
     tp = Ops(invariance="tp")
-    k, D, F = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    t = slots.shape[0]
+    k, t = cfg.num_experts_per_tok, slots.shape[0]
 
     @jax.jit
-    def layouts(ffn, h, slots):
+    def run(ffn, h, slots):
         out = []
         for i in range(layers):
             logits = tp.matmul(h, ffn["router"][i], out_dtype=jnp.float32)[:t]
@@ -288,7 +287,14 @@ def _kernel_rows(cfg, ffn, h, slots, t_real: int, stages: list[int], layers: int
             out.append(tp.grouped_tiles(ids.reshape(-1), cfg.num_experts))
         return out
 
-    tiles = layouts(ffn, h, slots)
+    return run(ffn, h, slots)
+
+
+def _kernel_rows(cfg, ffn, h, slots, t_real: int, stages: list[int], layers: int) -> list[dict]:
+    """tp-new's gate|up and down launches over every layer (the layouts computed first)."""
+    k, D, F = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    t = slots.shape[0]
+    tiles = layouts(cfg, ffn, h, slots, layers)
     distinct = float(np.mean([len(set(np.asarray(gl.row_groups(tl)).tolist()) - {-1})
                               for tl in tiles]))  # fmt: skip
     lw = [jnp.int32(i).reshape(1) for i in range(layers)]
