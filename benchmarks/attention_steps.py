@@ -22,49 +22,66 @@ import sys
 import time
 
 PAGE = 16
-CASES = {  # name: [(new tokens, context after them), ...] per sequence; (0, 0): a padding slot
-    # a GPU engine's smallest bucket is 16 tokens and 16 sequences: 15 padding sequences
-    "decode B1 ctx1k": [(1, 1024)] + [(0, 0)] * 15,
-    "decode B1 ctx8k": [(1, 8192)] + [(0, 0)] * 15,
-    "decode B1 ctx8k unpadded": [(1, 8192)],
-    "decode B32 ctx1k": [(1, 1024)] * 32,
-    "decode B64 ctx2k": [(1, 2048)] * 64,
-    "chunk 512 at ctx 8k": [(512, 8192)],
-    "chunk 512 at ctx 8k, S 256": [(512, 8192)] + [(0, 0)] * 255,  # the engine's S bucket
-    "chunk 480 + 32 decodes": [(480, 2048)] + [(1, 1024)] * 32,
-    "prefill 2k": [(2048, 2048)],
-    "prefill 8k": [(8192, 8192)],
+# name: ([(new tokens, context after them), ...] per sequence, padded to the engine's bucket)
+CASES = {
+    "decode B1 ctx1k": ([(1, 1024)], True),
+    "decode B1 ctx8k": ([(1, 8192)], True),
+    "decode B1 ctx8k unpadded": ([(1, 8192)], False),
+    "decode B32 ctx1k": ([(1, 1024)] * 32, True),
+    "decode B64 ctx2k": ([(1, 2048)] * 64, True),
+    "chunk 512 at ctx 8k": ([(512, 8192)], False),
+    "chunk 512 at ctx 8k S256": ([(512, 8192)], True),
+    "chunk 480 + 32 decodes": ([(480, 2048)] + [(1, 1024)] * 32, True),
+    "prefill 2k": ([(2048, 2048)], False),
+    "prefill 8k": ([(8192, 8192)], False),
 }
 IMPLS = ["triton"] + [f"mosaic bk{bk} {s}" for bk in (64, 128)
                       for s in ("split", "looped1", "looped2")]  # fmt: skip
 
 
-def case_inputs(seqs: list, h: int = 32, kh: int = 8, e: int = 128, seed: int = 0):
+def engine_shapes():
+    """The buckets of a default GPU engine with a 32k max_model_len (serving/engine/shapes.py):
+    16-token minimum, stall-free budget 512, max_num_batched_tokens 8192, 256 sequences."""
+    from serving.engine.shapes import ShapeSet
+
+    return ShapeSet.build(max_num_batched_tokens=8192, max_num_seqs=256,
+                          max_pages=32768 // PAGE, min_tokens_bucket=16,
+                          stall_free_budget=512)  # fmt: skip
+
+
+def case_inputs(seqs: list, pad: bool, h: int = 32, kh: int = 8, e: int = 128, seed: int = 0):
+    """The case's operands; `pad`: T, S and Pmax padded to the engine's bucket
+    (`ShapeSet.fit`: empty sequences, padding tokens after the last one, wider page table),
+    else the case's own S and Pmax, T at least the smallest token bucket."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    pages = [max(1, -(-ctx // PAGE)) for _, ctx in seqs]
+    pages = [-(-ctx // PAGE) for _, ctx in seqs]
+    t, s, pmax = sum(n for n, _ in seqs), len(seqs), max(pages)
+    shapes = engine_shapes()
+    if pad:
+        t, s, pmax = shapes.fit(t, s, pmax)
+    t = max(t, shapes.tokens[0])  # no step runs fewer tokens than the smallest bucket
     num_pages = sum(pages) + 1
     k = jax.random.split(jax.random.PRNGKey(seed), 3)
     kc = jax.random.normal(k[0], (1, kh, num_pages, PAGE, e), jnp.bfloat16)
     vc = jax.random.normal(k[1], (1, kh, num_pages, PAGE, e), jnp.bfloat16)
     perm = np.random.default_rng(seed).permutation(num_pages - 1) + 1
-    pmax = 32  # the engine's page-table buckets: 32 x 4^k pages
-    while pmax < max(pages):
-        pmax *= 4
-    pt = np.zeros((len(seqs), pmax), np.int32)
+    pt = np.zeros((s, pmax), np.int32)
+    ctx_lens = np.zeros(s, np.int32)
     pos, qs, at = [], [0], 0
     for i, ((n, ctx), p) in enumerate(zip(seqs, pages, strict=True)):
         pt[i, :p] = perm[at:at + p]
+        ctx_lens[i] = ctx
         at += p
         pos += list(range(ctx - n, ctx))
         qs.append(qs[-1] + n)
-    t = max(16, qs[-1])  # the engine's padding tokens follow the last sequence's
-    pos += [0] * (t - qs[-1])
+    qs += [qs[-1]] * (s - len(seqs))  # empty sequences
+    pos += [0] * (t - len(pos))  # padding tokens
     q = jax.random.normal(k[2], (t, h, e), jnp.bfloat16)
-    return (q, kc, vc, jnp.asarray(pt), jnp.asarray([c for _, c in seqs], jnp.int32),
-            jnp.asarray(qs, jnp.int32), jnp.asarray(pos, jnp.int32))  # fmt: skip
+    return (q, kc, vc, jnp.asarray(pt), jnp.asarray(ctx_lens), jnp.asarray(qs, jnp.int32),
+            jnp.asarray(pos, jnp.int32))  # fmt: skip
 
 
 def impl_fn(name: str, e: int = 128):
@@ -98,7 +115,7 @@ def main(argv: list[str]) -> None:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "attention_steps.jsonl")
     for case in a.cases.split(","):
-        args = case_inputs(CASES[case])
+        args = case_inputs(*CASES[case])
         fns, err = {}, {}
         for name in a.impls.split(","):
             try:
