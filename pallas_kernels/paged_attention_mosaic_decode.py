@@ -1,7 +1,8 @@
 """Split (decode) paged attention on Hopper as Mosaic GPU kernels: the other layout of the Mosaic
 kernel family of pallas_kernels/paged_attention_mosaic.py (docstring there: the plan), for steps
 with few long sequences, where the looped kernel's (tile, KV head) grid cannot fill the GPU
-(docs/PREFILL_ATTENTION.md, "Decode runs the same code"). Not wired into `Ops`.
+(docs/PREFILL_ATTENTION.md, "Decode runs the same code"). `Ops` runs it under
+JDET_ATTENTION=mosaic (pallas_kernels/_platform.py) for the steps `auto_structure` splits.
 
 Reduction plan: the looped kernel's, by construction, not by a second copy of it:
 - `split_tiles`: grid (KV head, query tile, partition j); a producer warpgroup streams the
